@@ -1,0 +1,1 @@
+"""The lazy device's core: IR, tracing, sync and execution."""

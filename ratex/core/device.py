@@ -1,0 +1,101 @@
+"""Where device data lives and how it crosses to TVM and back.
+
+On CPU, device data is a contiguous torch CPU tensor that TVM reads and
+writes through DLPack without copies. On GPU it is a `tvm.runtime.Tensor` in
+CUDA memory. Nothing outside this module needs to know which.
+"""
+import functools
+
+import torch
+import tvm
+
+from .. import config
+from tvm_lowering import resolve_target
+
+LAZY = torch.device("lazy", 0)
+
+
+class CPUBackend:
+    """Device data = contiguous torch CPU tensors, shared with TVM by DLPack."""
+
+    kind = "CPU"
+
+    def __init__(self):
+        self.target = resolve_target("CPU")
+
+    def upload(self, cpu: torch.Tensor):
+        """Return device data holding a private copy of `cpu`."""
+        return cpu.detach().clone(memory_format=torch.contiguous_format)
+
+    def adopt(self, cpu: torch.Tensor):
+        """Return device data that takes over `cpu` (caller promises not to keep it)."""
+        return cpu if cpu.is_contiguous() else cpu.contiguous()
+
+    def download(self, data) -> torch.Tensor:
+        """Return a CPU tensor the caller may modify."""
+        return data.clone()
+
+    def view_cpu(self, data) -> torch.Tensor:
+        """Return a read-only-by-convention CPU view of the data (no copy when possible)."""
+        return data
+
+    def to_tvm(self, data):
+        return tvm.runtime.from_dlpack(data)
+
+    def from_tvm(self, array):
+        return torch.from_dlpack(array)
+
+
+class GPUBackend:
+    """Device data = tvm.runtime.Tensor on the CUDA device."""
+
+    kind = "GPU"
+
+    def __init__(self):
+        self.target = resolve_target("GPU", _cuda_arch())
+        self.dev = tvm.cuda(0)
+
+    def upload(self, cpu: torch.Tensor):
+        return tvm.runtime.tensor(_numpy(cpu), device=self.dev)
+
+    adopt = upload
+
+    def download(self, data) -> torch.Tensor:
+        return _from_numpy(data.numpy(), data.dtype)
+
+    view_cpu = download
+
+    def to_tvm(self, data):
+        return data
+
+    def from_tvm(self, array):
+        return array
+
+
+def _numpy(cpu: torch.Tensor):
+    t = cpu.detach().contiguous()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy()  # numpy has no bf16; bits travel as int16
+    return t.numpy()
+
+
+def _from_numpy(array, dtype: str) -> torch.Tensor:
+    t = torch.from_numpy(array.copy())
+    return t.view(torch.bfloat16) if str(dtype) == "bfloat16" else t
+
+
+def _cuda_arch() -> str:
+    dev = tvm.cuda(0)
+    if not dev.exist:
+        raise RuntimeError(
+            "RATEX_DEVICE=GPU but no CUDA device is visible to TVM; "
+            "use RATEX_DEVICE=CPU or run on a machine with an NVIDIA GPU"
+        )
+    major, minor = str(dev.compute_version).split(".")
+    return f"sm_{major}{minor}"
+
+
+@functools.lru_cache(maxsize=None)
+def backend():
+    """Return the backend selected by RATEX_DEVICE (created on first use)."""
+    return CPUBackend() if config.DEVICE == "CPU" else GPUBackend()

@@ -1,0 +1,106 @@
+"""Lazy IR: nodes that record one ATen op each, and device-data leaves.
+
+A value is a pair `(node, index)`. A node whose `op` is None is a leaf that
+holds device data. An op node keeps its ATen OpOverload, an argument template
+(`spec`) in which tensor arguments are `Slot(i)` markers for `inputs[i]`, and
+the metas of its outputs, known at trace time. `key` is the node's local
+structural identity (op, non-tensor arguments, output metas); the graph key
+adds how nodes connect. Once a node's outputs are computed they are kept in
+`results` and it stops holding on to its inputs.
+"""
+from typing import NamedTuple
+
+import torch
+
+
+class Meta(NamedTuple):
+    """Shape and dtype of a value; what the compiled code depends on."""
+
+    shape: tuple
+    dtype: torch.dtype
+
+
+class Slot:
+    """Marks the place of tensor input `i` inside an op's argument template."""
+
+    __slots__ = ("i",)
+
+    def __init__(self, i: int):
+        self.i = i
+
+    def __eq__(self, other):
+        return type(other) is Slot and other.i == self.i
+
+    def __hash__(self):
+        return hash(("slot", self.i))
+
+    def __repr__(self):
+        return f"%{self.i}"
+
+
+class Node:
+    """One recorded ATen op (or a device-data leaf when `op` is None)."""
+
+    __slots__ = ("op", "spec", "inputs", "metas", "multi", "key", "results", "__weakref__")
+
+    def __init__(self, op, spec, inputs, metas, multi=False):
+        self.op = op
+        self.multi = multi
+        self.spec = spec
+        self.inputs = inputs
+        self.metas = metas
+        self.key = (op, spec, metas)
+        self.results = [None] * len(metas)
+
+    @classmethod
+    def leaf(cls, data, meta: Meta) -> "Node":
+        """Return a leaf node holding device `data` of the given meta."""
+        node = cls(None, None, (), (meta,))
+        node.results[0] = data
+        return node
+
+    def is_computed(self, index: int) -> bool:
+        """Return whether output `index` already has device data."""
+        return self.results[index] is not None
+
+    def set_result(self, index: int, data):
+        """Keep computed device data for output `index`; drop inputs once all are known."""
+        self.results[index] = data
+        if all(r is not None for r in self.results):
+            self.inputs = ()
+
+    def __repr__(self):
+        if self.op is None:
+            return f"Data({self.metas[0]})"
+        return f"{self.op}({self.spec})"
+
+
+def op_name(op) -> str:
+    """Return an OpOverload's short name, e.g. 'add.Tensor'."""
+    return op.__name__
+
+
+def template(obj, tensors: list, is_tensor):
+    """Return a hashable copy of `obj` with each tensor replaced by a Slot into `tensors`."""
+    if is_tensor(obj):
+        tensors.append(obj)
+        return Slot(len(tensors) - 1)
+    if isinstance(obj, (list, tuple)):
+        items = tuple(template(x, tensors, is_tensor) for x in obj)
+        return items if isinstance(obj, tuple) else ("__list__", items)
+    if isinstance(obj, dict):
+        return ("__dict__", tuple((k, template(v, tensors, is_tensor)) for k, v in obj.items()))
+    return obj
+
+
+def fill(spec, values: list):
+    """Inverse of `template`: rebuild the arguments with `values[i]` for each Slot(i)."""
+    if type(spec) is Slot:
+        return values[spec.i]
+    if isinstance(spec, tuple):
+        if spec and spec[0] == "__list__":
+            return [fill(x, values) for x in spec[1]]
+        if spec and spec[0] == "__dict__":
+            return {k: fill(v, values) for k, v in spec[1]}
+        return tuple(fill(x, values) for x in spec)
+    return spec

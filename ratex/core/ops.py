@@ -1,0 +1,460 @@
+"""Tracing: how one ATen call on lazy tensors becomes IR, a view, a write, or an eager run.
+
+`dispatch` is the whole policy, in order:
+  1. handlers for ops that need care (sync points, copies, fills, multi-output views),
+  2. Python decompositions (foreach ops, alpha/value scalars) into simpler ATen ops,
+  3. view ops: share the base's Storage, extend the view chain,
+  4. in-place and out= ops: compute functionally, then write through the view chain,
+  5. functional ops: infer output metas (memoized) and record one node,
+and anything without a meta kernel or a lowering rule runs eagerly on CPU
+(counter `aten::<op>`), its outputs becoming device data.
+"""
+import functools
+
+import torch
+
+import tvm_lowering
+from . import metrics, shape, sync, tensor
+from .ir import Node, fill, op_name, template
+
+aten = torch.ops.aten
+_DEVICE_KWARGS = ("device", "pin_memory")
+HANDLERS = {}
+
+
+def handles(*funcs):
+    """Register a handler fn(func, args, kwargs) for the given OpOverloads."""
+
+    def register(fn):
+        for f in funcs:
+            HANDLERS[f] = fn
+        return fn
+
+    return register
+
+
+def dispatch(func, args, kwargs):
+    """Trace (or run) one ATen call whose arguments include lazy tensors."""
+    handler = HANDLERS.get(func)
+    if handler is not None:
+        return handler(func, args, kwargs)
+    if func.__name__.startswith("_foreach_"):
+        return _foreach(func, args, kwargs)
+    decomp = DECOMPS.get(func)
+    if decomp is not None:
+        out = decomp(*args, **kwargs)
+        if out is not NotImplemented:
+            return out
+    if func.is_view:
+        return _view(func, args, kwargs)
+    if func._schema.is_mutable:
+        return _mutating(func, args, kwargs)
+    return _functional(func, args, kwargs)
+
+
+# ---- inputs ----------------------------------------------------------------
+class _V:
+    """An IR value passed where a tensor argument goes, for ops emitted internally."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+
+def _is_arg_tensor(x):
+    return isinstance(x, (torch.Tensor, _V))
+
+
+def _collect(func, args, kwargs):
+    """Return (spec, input values, input metas) for a call, checking devices."""
+    if any(k in kwargs for k in _DEVICE_KWARGS):
+        kwargs = {k: v for k, v in kwargs.items() if k not in _DEVICE_KWARGS}
+    found = []
+    spec = template((tuple(args), kwargs), found, _is_arg_tensor)
+    values, metas = [], []
+    for t in found:
+        if isinstance(t, _V):
+            node, idx = t.value
+            meta = node.metas[idx]
+            values.append(t.value)
+            metas.append((meta.shape, tensor._contiguous_strides(meta.shape), meta.dtype))
+            continue
+        if not isinstance(t, tensor.LazyTensor):
+            if t.dim() == 0 and t.device.type == "cpu":
+                t = tensor.LazyTensor.from_cpu(t)  # like CUDA: 0-dim CPU tensors are scalars
+            else:
+                raise RuntimeError(
+                    f"Expected all tensors to be on the same device, but found at least two devices, "
+                    f"lazy:0 and {t.device}! (when checking arguments for {func}; move the {t.device} "
+                    f"tensor of shape {tuple(t.shape)} to the lazy device with .to('lazy'))"
+                )
+        values.append(t._value())
+        metas.append((tuple(t.shape), tuple(t.stride()), t.dtype))
+    return spec, values, tuple(metas)
+
+
+def _wrap(node, out, view_of=None):
+    outs = [
+        tensor.LazyTensor.from_value((node, i), out.strides[i], out.offsets[i]) for i in range(len(out.metas))
+    ]
+    if out.kind == "tensor":
+        return outs[0]
+    return tuple(outs) if out.kind == "tuple" else outs
+
+
+# ---- functional ops ----------------------------------------------------------
+def _functional(func, args, kwargs):
+    if func in _LIFT:
+        func, args = _lift_scalar(func, args)
+    spec, values, metas = _collect(func, args, kwargs)
+    try:
+        out = shape.infer(func, spec, metas)
+    except shape.NoMeta:
+        return eager(func, args, kwargs)
+    name = op_name(func)
+    if not tvm_lowering.has_rule(name):
+        return eager(func, args, kwargs)
+    node = Node(func, spec, tuple(values), out.metas, multi=out.kind != "tensor")
+    if node.key in sync.unlowerable:
+        return eager(func, args, kwargs)
+    metrics.counter_inc(f"ratex::{name}")
+    return _wrap(node, out)
+
+
+def emit(func, *args, **kwargs):
+    """Record `func` on IR values (wrapped in _V) and return its single output value."""
+    spec, values, metas = _collect(func, args, kwargs)
+    out = shape.infer(func, spec, metas)
+    return (Node(func, spec, tuple(values), out.metas), 0)
+
+
+def record_value(func, spec, value):
+    """Record a single-input op given by (func, spec) on `value`; return the output value."""
+    meta = value[0].metas[value[1]]
+    out = shape.infer(func, spec, ((meta.shape, tensor._contiguous_strides(meta.shape), meta.dtype),))
+    return (Node(func, spec, (value,), out.metas), 0)
+
+
+# Float scalars that change every step (learning rates, loss scales) become graph
+# inputs, so they don't bake into the program and force a recompile.
+_LIFT = {
+    aten.add.Tensor: aten.add.Tensor,
+    aten.sub.Tensor: aten.sub.Tensor,
+    aten.mul.Tensor: aten.mul.Tensor,
+    aten.div.Tensor: aten.div.Tensor,
+    aten.add.Scalar: aten.add.Tensor,
+    aten.sub.Scalar: aten.sub.Tensor,
+    aten.mul.Scalar: aten.mul.Tensor,
+    aten.div.Scalar: aten.div.Tensor,
+}
+
+
+def _liftable(x) -> bool:
+    return type(x) is float and x not in (0.0, 1.0, -1.0)
+
+
+def _float_scalar_dtype(t) -> torch.dtype:
+    """The dtype a Python float takes next to tensor `t` under PyTorch's promotion rules."""
+    return t.dtype if t.dtype.is_floating_point or t.dtype.is_complex else torch.get_default_dtype()
+
+
+def _lift_scalar(func, args):
+    if len(args) < 2 or not _liftable(args[1]) or not isinstance(args[0], tensor.LazyTensor):
+        return func, args
+    dtype = _float_scalar_dtype(args[0])
+    scalar = tensor.LazyTensor.from_cpu(torch.tensor(args[1], dtype=dtype), adopt=True)
+    return _LIFT[func], (args[0], scalar) + tuple(args[2:])
+
+
+# ---- decompositions -----------------------------------------------------------
+def _add_alpha(func):
+    def decomp(a, b, *, alpha=1):
+        if alpha == 1 or not isinstance(b, torch.Tensor):
+            return NotImplemented
+        return func(a, aten.mul.Tensor(b, alpha))
+
+    return decomp
+
+
+def _addcmul(self, t1, t2, *, value=1):
+    return aten.add.Tensor(self, aten.mul.Tensor(aten.mul.Tensor(t1, value), t2))
+
+
+def _addcdiv(self, t1, t2, *, value=1):
+    return aten.add.Tensor(self, aten.mul.Tensor(aten.div.Tensor(t1, t2), value))
+
+
+def _lerp_scalar(self, end, weight):
+    return aten.add.Tensor(self, aten.mul.Tensor(aten.sub.Tensor(end, self), weight))
+
+
+def _rsub_scalar(self, other, alpha=1):
+    scaled = self if alpha == 1 else aten.mul.Tensor(self, alpha)
+    if not _liftable(other):
+        return NotImplemented
+    dtype = _float_scalar_dtype(self)
+    lhs = tensor.LazyTensor.from_cpu(torch.tensor(other, dtype=dtype), adopt=True)
+    return aten.sub.Tensor(lhs, scaled)
+
+
+DECOMPS = {
+    aten.add.Tensor: _add_alpha(aten.add.Tensor),
+    aten.sub.Tensor: _add_alpha(aten.sub.Tensor),
+    aten.addcmul.default: _addcmul,
+    aten.addcdiv.default: _addcdiv,
+    aten.lerp.Scalar: _lerp_scalar,
+    aten.rsub.Scalar: _rsub_scalar,
+}
+
+
+def _foreach(func, args, kwargs):
+    """`_foreach_op(lists...)` is `op` applied per element."""
+    name = func._schema.name.split("::")[1][len("_foreach_"):]
+    per_op = getattr(aten, name)
+    n = len(args[0])
+
+    def pick(a, i):
+        return a[i] if isinstance(a, (list, tuple)) and len(a) == n else a
+
+    results = [per_op(*[pick(a, i) for a in args], **{k: pick(v, i) for k, v in kwargs.items()}) for i in range(n)]
+    return None if name.endswith("_") else list(results)
+
+
+# ---- views -------------------------------------------------------------------
+def _view(func, args, kwargs):
+    base = args[0]
+    if not isinstance(base, tensor.LazyTensor):
+        return eager(func, args, kwargs)
+    spec, values, metas = _collect(func, args, kwargs)
+    try:
+        out = shape.infer(func, spec, metas)
+    except shape.NoMeta:
+        return eager(func, args, kwargs)
+    if out.kind != "tensor":
+        return eager(func, args, kwargs)
+    metrics.counter_inc(f"ratex::{op_name(func)}")
+    node = Node(func, spec, tuple(values), out.metas)
+    return tensor.LazyTensor(
+        base._st, base._chain + ((func, spec),), out.metas[0], out.strides[0], out.offsets[0], (node, 0)
+    )
+
+
+_RESHAPES = {
+    "view.default", "_unsafe_view.default", "_reshape_alias.default", "unsqueeze.default",
+    "squeeze.default", "squeeze.dim", "squeeze.dims", "alias.default", "detach.default",
+}
+
+
+def scatter_back(func, spec, base, new):
+    """Return the new value of a view's base after the view (func, spec) became `new`."""
+    name = op_name(func)
+    (_, *rest), kwargs = fill(spec, [None])
+    base_meta = base[0].metas[base[1]]
+    new_meta = new[0].metas[new[1]]
+    if name in _RESHAPES:
+        return new if base_meta.shape == new_meta.shape else emit(aten.view.default, _V(new), list(base_meta.shape))
+    if name in ("t.default", "transpose.int"):
+        return emit(func, _V(new), *rest)
+    if name == "permute.default":
+        dims = [d % len(base_meta.shape) for d in rest[0]]
+        return emit(func, _V(new), [dims.index(i) for i in range(len(dims))])
+    scatters = {
+        "slice.Tensor": aten.slice_scatter.default,
+        "select.int": aten.select_scatter.default,
+        "diagonal.default": aten.diagonal_scatter.default,
+        "as_strided.default": aten.as_strided_scatter.default,
+    }
+    if name in scatters:
+        return emit(scatters[name], _V(base), _V(new), *rest, **kwargs)
+    if name == "expand.default":
+        raise RuntimeError(
+            "unsupported operation: more than one element of the written-to tensor refers to a single "
+            "memory location. Please clone() the tensor before performing the operation."
+        )
+    raise NotImplementedError(f"in-place writes through a view made by {name} are not supported on the lazy device")
+
+
+def _split_views(func, args, kwargs):
+    """split/split_with_sizes/unbind return views; express each as slice/select so writes work."""
+    self = args[0]
+    name = op_name(func)
+    if name == "unbind.int":
+        dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+        return tuple(aten.select.int(self, dim, i) for i in range(self.shape[dim]))
+    dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
+    size = self.shape[dim]
+    if name == "split.Tensor":
+        step = args[1]
+        sizes = [min(step, size - s) for s in range(0, size, step)] if size else [0]
+    else:
+        sizes = list(args[1])
+        if sum(sizes) != size:
+            raise RuntimeError(f"split_with_sizes expects split_sizes to sum exactly to {size}, but got {sizes}")
+    outs, start = [], 0
+    for s in sizes:
+        outs.append(aten.slice.Tensor(self, dim, start, start + s))
+        start += s
+    return outs
+
+
+for _f in (aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int):
+    HANDLERS[_f] = _split_views
+
+
+# ---- in-place and out= ops -------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _written(func):
+    """Return [(kind, key)] of the arguments `func` writes: ('pos', i) or ('kw', name)."""
+    out = []
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            out.append(("kw", arg.name) if arg.kwarg_only else ("pos", i))
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _functional_of(func):
+    """Return the functional overload computing what `func` writes, or None."""
+    name = func._schema.name.split("::")[1]
+    overload = func._overloadname
+    if name.endswith("_"):
+        packet = getattr(aten, name[:-1], None)
+        return getattr(packet, overload, None) if packet is not None else None
+    packet = getattr(aten, name, None)
+    if packet is None:
+        return None
+    want = [(a.name, str(a.type)) for a in func._schema.arguments if not (a.alias_info and a.alias_info.is_write)]
+    for ov in packet.overloads():
+        cand = getattr(packet, ov)
+        if cand is func or cand._schema.is_mutable:
+            continue
+        if [(a.name, str(a.type)) for a in cand._schema.arguments] == want:
+            return cand
+    return None
+
+
+def _mutating(func, args, kwargs):
+    written = _written(func)
+    fop = _functional_of(func)
+    if len(written) != 1 or fop is None:
+        return eager(func, args, kwargs)
+    kind, key = written[0]
+    target = args[key] if kind == "pos" else kwargs[key]
+    if not isinstance(target, tensor.LazyTensor):
+        return eager(func, args, kwargs)
+    spec, _, metas = _collect(func, args, kwargs)
+    try:
+        shape.infer(func, spec, metas)  # PyTorch's own checks for the in-place form
+    except shape.NoMeta:
+        return eager(func, args, kwargs)
+    fkwargs = {k: v for k, v in kwargs.items() if k != key} if kind == "kw" else kwargs
+    result = dispatch(fop, args, fkwargs)
+    _assign(target, result)
+    return target
+
+
+def _assign(target, result):
+    """Write the lazy tensor `result` into `target` (same shape), casting to target's dtype."""
+    if tuple(result.shape) != tuple(target.shape):
+        raise RuntimeError(
+            f"output with shape {list(target.shape)} doesn't match the broadcast shape {list(result.shape)}"
+        )
+    if result.dtype != target.dtype:
+        result = dispatch(aten._to_copy.default, (result,), {"dtype": target.dtype})
+    target._write(result._value())
+
+
+@handles(aten.copy_.default)
+def _copy_(func, args, kwargs):
+    dst, src = args[0], args[1]
+    if not isinstance(dst, tensor.LazyTensor):
+        dst.copy_(src._to_cpu())
+        return dst
+    if not isinstance(src, tensor.LazyTensor):
+        src = tensor.LazyTensor.from_cpu(src)
+    if src.dtype != dst.dtype:
+        src = aten._to_copy.default(src, dtype=dst.dtype)
+    if tuple(src.shape) != tuple(dst.shape):
+        src = aten.expand.default(src, list(dst.shape))
+    dst._write(src._value())
+    return dst
+
+
+@handles(aten.zero_.default, aten.fill_.Scalar)
+def _fill_(func, args, kwargs):
+    self = args[0]
+    value = 0 if func is aten.zero_.default else args[1]
+    full = _functional(aten.full.default, (list(self.shape), value), {"dtype": self.dtype})
+    self._write(full._value())
+    return self
+
+
+@handles(aten.fill_.Tensor)
+def _fill_tensor_(func, args, kwargs):
+    self, value = args[0], args[1]
+    _copy_(aten.copy_.default, (self, value), {})
+    return self
+
+
+@handles(aten._to_copy.default)
+def _to_copy(func, args, kwargs):
+    device = kwargs.get("device")
+    if device is not None and torch.device(device).type != "lazy":
+        return func(args[0]._to_cpu(), **kwargs)
+    kwargs = {k: v for k, v in kwargs.items() if k not in ("device", "pin_memory", "non_blocking", "layout")}
+    if not kwargs.get("dtype") or kwargs.get("dtype") == args[0].dtype:
+        kwargs.pop("memory_format", None)
+    return _functional(func, args, kwargs)
+
+
+@handles(aten._local_scalar_dense.default)
+def _item(func, args, kwargs):
+    return args[0]._to_cpu().item()
+
+
+@handles(aten.clone.default)
+def _clone(func, args, kwargs):
+    # Device data is immutable, so a clone is the same value in a new Storage.
+    src = args[0]
+    return tensor.LazyTensor.from_value(src._value())
+
+
+# ---- eager fallback --------------------------------------------------------------
+def eager(func, args, kwargs):
+    """Run `func` on CPU PyTorch with materialized inputs; results come back as device data."""
+    metrics.counter_inc(f"aten::{op_name(func)}")
+    copies = {}
+
+    def to_cpu(x):
+        if isinstance(x, tensor.LazyTensor):
+            c = x._to_cpu()
+            copies[id(c)] = x
+            return c
+        if isinstance(x, torch.device) and x.type == "lazy":
+            return torch.device("cpu")
+        return x
+
+    cpu_args = [_map(to_cpu, a) for a in args]
+    cpu_kwargs = {k: _map(to_cpu, v) for k, v in kwargs.items()}
+    out = func(*cpu_args, **cpu_kwargs)
+    for kind, key in _written(func):
+        cpu = cpu_args[key] if kind == "pos" else cpu_kwargs.get(key)
+        for c in cpu if isinstance(cpu, (list, tuple)) else [cpu]:
+            if isinstance(c, torch.Tensor) and id(c) in copies:
+                copies[id(c)]._write(tensor.LazyTensor.from_cpu(c, adopt=True)._value())
+
+    def back(o):
+        if isinstance(o, torch.Tensor):
+            orig = copies.get(id(o))
+            return orig if orig is not None else tensor.LazyTensor.from_cpu(o)
+        return o
+
+    return _map(back, out)
+
+
+def _map(fn, x):
+    if isinstance(x, (list, tuple)):
+        return type(x)(_map(fn, y) for y in x)
+    return fn(x)
+

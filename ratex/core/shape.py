@@ -1,0 +1,69 @@
+"""Shape inference: run the op on meta tensors, memoized on (op, args, input metas).
+
+Errors PyTorch raises for bad shapes come out here, at the op that caused
+them, not at mark_step.
+"""
+import torch
+
+from .ir import Meta, fill
+
+_memo = {}
+
+
+class NoMeta(Exception):
+    """The op has no meta kernel or a data-dependent output shape; run it eagerly instead."""
+
+
+class Out:
+    """The inferred outputs of one op: a flat list of (meta, stride, offset) and the structure."""
+
+    __slots__ = ("metas", "strides", "offsets", "kind")
+
+    def __init__(self, metas, strides, offsets, kind):
+        self.metas, self.strides, self.offsets, self.kind = metas, strides, offsets, kind
+
+
+def infer(op, spec, in_metas: tuple) -> Out:
+    """Return the outputs of `op` applied to inputs with `in_metas` (shape, stride, dtype)."""
+    key = (op, spec, in_metas)
+    hit = _memo.get(key)
+    if hit is None:
+        hit = _run(op, spec, in_metas)
+        _memo[key] = hit
+    if isinstance(hit, BaseException):
+        raise hit
+    return hit
+
+
+def _run(op, spec, in_metas):
+    fakes = [torch.empty_strided(shape, stride, dtype=dtype, device="meta") for shape, stride, dtype in in_metas]
+    args, kwargs = fill(spec, fakes)
+    if _takes_device(op):
+        kwargs["device"] = "meta"
+    try:
+        out = op(*args, **kwargs)
+    except (NotImplementedError, torch._subclasses.fake_tensor.DynamicOutputShapeException) as exc:
+        return NoMeta(str(exc))
+    except RuntimeError as exc:
+        msg = str(exc)
+        if "meta" in msg.lower() and ("not implemented" in msg.lower() or "backend" in msg.lower()):
+            return NoMeta(msg)
+        return exc
+    if isinstance(out, torch.Tensor):
+        return _pack([out], "tensor")
+    if isinstance(out, (tuple, list)) and out and all(isinstance(o, torch.Tensor) for o in out):
+        return _pack(list(out), "tuple" if isinstance(out, tuple) else "list")
+    return NoMeta(f"{op} returns {type(out).__name__}, not tensors")
+
+
+def _pack(outs, kind):
+    return Out(
+        tuple(Meta(tuple(o.shape), o.dtype) for o in outs),
+        tuple(tuple(o.stride()) for o in outs),
+        tuple(o.storage_offset() for o in outs),
+        kind,
+    )
+
+
+def _takes_device(op) -> bool:
+    return any(a.name == "device" for a in op._schema.arguments)

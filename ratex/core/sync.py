@@ -1,0 +1,83 @@
+"""Sync points: compute pending values, through the compile cache, and keep the results."""
+import warnings
+import weakref
+
+import tvm_lowering
+from . import metrics
+from .device import backend
+from .executor import compile_graph
+from .graph import cut
+from .ir import Node, fill, op_name
+
+_pending = weakref.WeakSet()  # Storages whose value may still be uncomputed
+_cache = tvm_lowering.CompileCache()
+unlowerable = set()  # node keys whose rule failed: such ops run eagerly from now on
+
+
+def track(storage):
+    """Remember a storage whose value was just replaced by a pending one."""
+    _pending.add(storage)
+
+
+def execute(values: list):
+    """Compute every value in `values` (pairs (node, index)) and keep the results on the nodes."""
+    while True:
+        roots = list(dict.fromkeys(v for v in values if v[0].results[v[1]] is None))
+        if not roots:
+            return
+        graph = cut(roots)
+        program = _cache.get(graph.key)
+        if program is None:
+            try:
+                program = compile_graph(graph)
+            except tvm_lowering.LoweringError as err:
+                node = err.node.meta.get("ratex_node")
+                if node is None:
+                    raise
+                unlowerable.add(node.key)
+                warnings.warn(f"ratex: {err}; running {op_name(node.op)} on CPU instead", stacklevel=2)
+                run_eagerly(node)
+                continue  # the failed node is data now; cut again
+            metrics.counter_inc("UncachedCompile")
+            _cache.put(graph.key, program)
+        else:
+            metrics.counter_inc("CachedCompile")
+        inputs = [node.results[idx] for node, idx in graph.leaves]
+        with metrics.timed("ExecuteTime"):
+            outs = program.run(inputs)
+        for (node, idx), out in zip(roots, outs):
+            node.set_result(idx, out)
+        return
+
+
+def run_eagerly(node: Node):
+    """Compute one op node on CPU PyTorch from its (computed) inputs."""
+    execute(list(node.inputs))
+    be = backend()
+    cpu_inputs = [be.view_cpu(n.results[i]) for n, i in node.inputs]
+    args, kwargs = fill(node.spec, cpu_inputs)
+    out = node.op(*args, **kwargs)
+    outs = list(out) if node.multi else [out]
+    metrics.counter_inc(f"aten::{op_name(node.op)}")
+    for i, o in enumerate(outs):
+        node.set_result(i, be.upload(o))  # a copy: eager outputs may alias inputs
+
+
+def mark_step():
+    """Compute every live pending tensor in one program and make the results their data."""
+    metrics.counter_inc("MarkStep")
+    storages = list(_pending)
+    _pending.clear()
+    execute([st.value for st in storages])
+    for st in storages:
+        st.rebind()
+
+
+def wait_device_ops():
+    """Block until launched device work is done (execution is synchronous for now)."""
+
+
+def reset_cache():
+    """Forget every compiled program (tests use this to count compiles)."""
+    _cache.clear()
+

@@ -1,0 +1,192 @@
+"""LazyTensor: a torch.Tensor on the `lazy` device that records ops instead of running them.
+
+Every tensor points at a `Storage` (shared by a base tensor and all its views)
+holding the base's current value, plus the chain of view ops that leads from
+the base to this tensor. Reads replay the chain when the storage changed;
+in-place writes compute the new value functionally and scatter it back through
+the chain (`*_scatter` ops), so a write through any view is seen by all.
+"""
+import torch
+from torch.utils._pytree import tree_map
+
+from . import metrics, ops, sync
+from .device import LAZY, backend
+from .ir import Meta, Node
+
+aten = torch.ops.aten
+
+
+class Storage:
+    """The current value of a base tensor, shared with its views; `version` counts writes."""
+
+    __slots__ = ("value", "version", "__weakref__")
+
+    def __init__(self, value):
+        self.value = value
+        self.version = 0
+
+    def write(self, value):
+        self.value = value
+        self.version += 1
+        if value[0].results[value[1]] is None:
+            sync.track(self)
+
+    def rebind(self):
+        """After a sync, point at a fresh data leaf so the op graph behind it can be freed."""
+        node, idx = self.value
+        data = node.results[idx]
+        if data is not None and node.op is not None:
+            self.value = (Node.leaf(data, node.metas[idx]), 0)
+
+
+def _contiguous_strides(shape):
+    strides, acc = [], 1
+    for s in reversed(shape):
+        strides.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(strides))
+
+
+class LazyTensor(torch.Tensor):
+    """A tensor on device lazy:0 whose value is a lazy IR value (see module doc)."""
+
+    @staticmethod
+    def __new__(cls, storage, chain, meta, stride=None, offset=0, value=None):
+        t = torch.Tensor._make_wrapper_subclass(
+            cls,
+            meta.shape,
+            strides=stride if stride is not None else _contiguous_strides(meta.shape),
+            storage_offset=offset,
+            dtype=meta.dtype,
+            device=LAZY,
+            requires_grad=False,
+        )
+        t._st = storage
+        t._chain = chain
+        t._cache = (storage.version, value)
+        metrics.counter_inc("CreateLazyTensor")
+        return t
+
+    # ---- construction -------------------------------------------------
+    @classmethod
+    def from_value(cls, value, stride=None, offset=0):
+        """Return a new base tensor whose value is `value` (a pending or computed IR value)."""
+        node, idx = value
+        st = Storage(value)
+        if node.results[idx] is None:
+            sync.track(st)
+        return cls(st, (), node.metas[idx], stride, offset)
+
+    @classmethod
+    def from_cpu(cls, cpu: torch.Tensor, adopt=False):
+        """Return a lazy tensor holding a copy of the CPU tensor `cpu` (or `cpu` itself if adopt)."""
+        be = backend()
+        metrics.counter_inc("DeviceDataTransfer")
+        data = be.adopt(cpu) if adopt else be.upload(cpu)
+        return cls.from_value((Node.leaf(data, Meta(tuple(cpu.shape), cpu.dtype)), 0))
+
+    # ---- value access ---------------------------------------------------
+    def _value(self):
+        if not self._chain:
+            return self._st.value
+        version, value = self._cache
+        if version != self._st.version or value is None:
+            value = self._st.value
+            for op, spec in self._chain:
+                value = ops.record_value(op, spec, value)
+            self._cache = (self._st.version, value)
+        return value
+
+    def _meta(self):
+        return Meta(tuple(self.shape), self.dtype)
+
+    def _device_data(self):
+        """Return computed device data of this tensor, running what is pending."""
+        value = self._value()
+        if value[0].results[value[1]] is None:
+            sync.execute([value])
+            if not self._chain:
+                self._st.rebind()
+        node, idx = value
+        return node.results[idx]
+
+    def _to_cpu(self) -> torch.Tensor:
+        return backend().download(self._device_data())
+
+    def _write(self, value):
+        """Make `value` this tensor's new value, updating the base through the view chain."""
+        if not self._chain:
+            self._st.write(value)
+            return
+        bases = [self._st.value]
+        for op, spec in self._chain[:-1]:
+            bases.append(ops.record_value(op, spec, bases[-1]))
+        new = value
+        for (op, spec), base in zip(reversed(self._chain), reversed(bases)):
+            new = ops.scatter_back(op, spec, base, new)
+        self._st.write(new)
+        self._cache = (self._st.version, value)
+
+    # ---- user-facing conveniences ---------------------------------------
+    def __repr__(self, *, tensor_contents=None):
+        text = repr(self._to_cpu())
+        extras = [f"device='{LAZY}'"]
+        if self.grad_fn is not None:
+            extras.append(f"grad_fn=<{type(self.grad_fn).__name__}>")
+        elif self.requires_grad:
+            extras.append("requires_grad=True")
+        return text[:-1] + ", " + ", ".join(extras) + ")"
+
+    def tolist(self):
+        return self._to_cpu().tolist()
+
+    def numpy(self, *, force=False):
+        return self._to_cpu().numpy()
+
+    def __array__(self, dtype=None, copy=None):
+        arr = self._to_cpu().numpy()
+        return arr if dtype is None else arr.astype(dtype)
+
+    def __reduce_ex__(self, protocol):
+        return (_rebuild_lazy, (self._to_cpu(), self.requires_grad))
+
+    def __deepcopy__(self, memo):
+        if id(self) in memo:
+            return memo[id(self)]
+        new = LazyTensor.from_cpu(self._to_cpu(), adopt=True)
+        if self.requires_grad:
+            new.requires_grad_(True)
+        memo[id(self)] = new
+        return new
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        return ops.dispatch(func, args, kwargs or {})
+
+
+def _rebuild_lazy(cpu, requires_grad):
+    t = LazyTensor.from_cpu(cpu, adopt=True)
+    return t.requires_grad_(requires_grad) if requires_grad else t
+
+
+def is_lazy(t) -> bool:
+    """Return whether `t` is a tensor on the lazy device."""
+    return isinstance(t, LazyTensor)
+
+
+# ---- the Lazy dispatch key: ops that create lazy tensors from nothing lazy --------
+def _lazy_key_kernel(op, *args, **kwargs):
+    """Factories with device='lazy' and `cpu.to('lazy')`: run on CPU, keep the result as data."""
+    if op is aten._to_copy.default:
+        src = args[0]
+        kw = {k: v for k, v in kwargs.items() if k not in ("device", "pin_memory", "non_blocking")}
+        return LazyTensor.from_cpu(src.to(**kw) if kw else src, adopt=bool(kw))
+    kwargs = {k: (torch.device("cpu") if k == "device" else v) for k, v in kwargs.items()}
+    out = op(*args, **kwargs)
+    return tree_map(lambda o: LazyTensor.from_cpu(o, adopt=True) if isinstance(o, torch.Tensor) else o, out)
+
+
+_lib = torch.library.Library("_", "IMPL")
+_lib.fallback(_lazy_key_kernel, dispatch_key="Lazy")

@@ -1,0 +1,1 @@
+"""Compatibility namespace matching Ratex's `ratex.lazy_tensor_core`."""

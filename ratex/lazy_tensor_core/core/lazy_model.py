@@ -1,0 +1,31 @@
+"""The lazy device's model API, as in Ratex and torch._lazy."""
+import torch
+
+from ...core import sync
+from ...core.device import LAZY
+from ...core.tensor import is_lazy
+
+
+def lazy_device(index: int = 0) -> torch.device:
+    """Return the lazy device, `lazy:0`."""
+    if index != 0:
+        raise ValueError(f"lazy device index {index} does not exist; ratex has one lazy device, index 0")
+    return LAZY
+
+
+def mark_step():
+    """Compile and run everything pending on the lazy device as one program."""
+    sync.mark_step()
+
+
+def wait_device_ops():
+    """Block until all work launched on the lazy device is done."""
+    sync.wait_device_ops()
+
+
+def is_lazy_tensor(t) -> bool:
+    """Return whether `t` is a lazy tensor."""
+    return is_lazy(t)
+
+
+__all__ = ["lazy_device", "mark_step", "wait_device_ops", "is_lazy_tensor"]

@@ -1,0 +1,21 @@
+"""The ratex lowering table: rules that TVM's torch frontend lacks or gets wrong.
+
+A rule is `fn(importer, node) -> relax.Expr`, registered by ATen overload name
+(`"convolution_backward.default"`) with `@rule(...)`. Rules here take
+precedence over the ones inherited from `tvm.relax.frontend.torch`.
+"""
+RULES = {}
+
+
+def rule(*names):
+    """Register `fn` as the lowering rule of each ATen overload in `names`."""
+
+    def register(fn):
+        for name in names:
+            RULES[name] = fn
+        return fn
+
+    return register
+
+
+from . import arith, backward, nn, random  # noqa: E402,F401  (registration side effects)

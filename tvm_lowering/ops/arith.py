@@ -1,0 +1,1 @@
+"""Elementwise arithmetic rules where TVM's differ from PyTorch."""

@@ -1,0 +1,1 @@
+"""Rules for the backward ops autograd emits on the lazy device."""

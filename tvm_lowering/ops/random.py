@@ -1,0 +1,1 @@
+"""Random ops drawing from a seed that is a graph input."""

@@ -1,0 +1,46 @@
+"""Targets and the pass pipeline that turns a Relax module into an executable."""
+import dataclasses
+import functools
+
+import tvm
+from tvm import relax
+
+DEVICES = ("CPU", "GPU")
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """A compile target: `kind` is 'CPU' or 'GPU'; `tvm` the TVM target it maps to."""
+
+    kind: str
+    tvm: tvm.target.Target
+
+    @property
+    def key(self) -> str:
+        """Return a string that identifies the generated code's target."""
+        return f"{self.kind}:{self.tvm}"
+
+    def device(self):
+        """Return the TVM runtime device that runs this target's code."""
+        return tvm.cpu() if self.kind == "CPU" else tvm.cuda()
+
+
+@functools.lru_cache(maxsize=None)
+def resolve_target(kind: str, cuda_arch: str = "sm_90") -> Target:
+    """Return the Target for a RATEX_DEVICE value ('CPU' or 'GPU')."""
+    if kind == "CPU":
+        return Target("CPU", tvm.target.Target({"kind": "llvm", "mcpu": _host_cpu()}))
+    if kind == "GPU":
+        return Target("GPU", tvm.target.Target({"kind": "cuda", "arch": cuda_arch}))
+    raise ValueError(f"unknown device {kind!r}; valid values: {', '.join(DEVICES)}")
+
+
+def _host_cpu() -> str:
+    return str(tvm.target.codegen.llvm_get_system_cpu()) if hasattr(tvm.target, "codegen") else "generic"
+
+
+def build(mod: tvm.IRModule, target: Target):
+    """Compile `mod` with fusion (FuseOps/FuseTIR) for `target`; return a tvm executable."""
+    pipeline = relax.get_default_pipeline(target.tvm)
+    with target.tvm:
+        return tvm.compile(mod, target=target.tvm, relax_pipeline=pipeline)
