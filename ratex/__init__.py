@@ -8,6 +8,7 @@ from .core import tensor as _tensor  # noqa: F401  (registers the lazy device)
 from .core.tensor import LazyTensor, is_lazy
 from .lazy_tensor_core.core import lazy_model
 from .lazy_tensor_core.debug import metrics
+from . import jit  # noqa: E402  (ratex.jit.script)
 
 __version__ = "0.1.0"
-__all__ = ["LazyTensor", "is_lazy", "lazy_model", "metrics", "__version__"]
+__all__ = ["LazyTensor", "is_lazy", "jit", "lazy_model", "metrics", "__version__"]

@@ -40,6 +40,8 @@ class CPUBackend:
         return data
 
     def to_tvm(self, data):
+        if data.numel() == 0:  # DLPack strides of empty tensors aren't "compact" to TVM
+            return tvm.runtime.empty(tuple(data.shape), str(data.dtype).replace("torch.", ""), tvm.cpu())
         return tvm.runtime.from_dlpack(data)
 
     def from_tvm(self, array):

@@ -131,9 +131,15 @@ def emit(func, *args, **kwargs):
 
 def record_value(func, spec, value):
     """Record a single-input op given by (func, spec) on `value`; return the output value."""
+    if func in _IDENTITY_VIEWS:
+        return value
     meta = value[0].metas[value[1]]
     out = shape.infer(func, spec, ((meta.shape, tensor._contiguous_strides(meta.shape), meta.dtype),))
     return (Node(func, spec, (value,), out.metas), 0)
+
+
+# Views whose value is their input's: no node, so a detached parameter stays device data.
+_IDENTITY_VIEWS = {aten.detach.default, aten.alias.default}
 
 
 # Float scalars that change every step (learning rates, loss scales) become graph
@@ -234,9 +240,9 @@ def _view(func, args, kwargs):
     if out.kind != "tensor":
         return eager(func, args, kwargs)
     metrics.counter_inc(f"ratex::{op_name(func)}")
-    node = Node(func, spec, tuple(values), out.metas)
+    value = values[0] if func in _IDENTITY_VIEWS else (Node(func, spec, tuple(values), out.metas), 0)
     return tensor.LazyTensor(
-        base._st, base._chain + ((func, spec),), out.metas[0], out.strides[0], out.offsets[0], (node, 0)
+        base._st, base._chain + ((func, spec),), out.metas[0], out.strides[0], out.offsets[0], value
     )
 
 

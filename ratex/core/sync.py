@@ -9,14 +9,16 @@ from .executor import compile_graph
 from .graph import cut
 from .ir import Node, fill, op_name
 
-_pending = weakref.WeakSet()  # Storages whose value may still be uncomputed
+# Storages whose value may still be uncomputed, in the order they became pending:
+# a deterministic root order keeps the graph key stable from step to step.
+_pending = weakref.WeakValueDictionary()
 _cache = tvm_lowering.CompileCache()
 unlowerable = set()  # node keys whose rule failed: such ops run eagerly from now on
 
 
 def track(storage):
     """Remember a storage whose value was just replaced by a pending one."""
-    _pending.add(storage)
+    _pending[id(storage)] = storage
 
 
 def execute(values: list):
@@ -28,6 +30,11 @@ def execute(values: list):
         graph = cut(roots)
         program = _cache.get(graph.key)
         if program is None:
+            stuck = [n for n in graph.nodes if n.key in unlowerable or not tvm_lowering.has_rule(op_name(n.op))]
+            if stuck:  # e.g. a view op without a rule: compute it eagerly, then cut again
+                for node in stuck:
+                    run_eagerly(node)
+                continue
             try:
                 program = compile_graph(graph)
             except tvm_lowering.LoweringError as err:
@@ -35,9 +42,19 @@ def execute(values: list):
                 if node is None:
                     raise
                 unlowerable.add(node.key)
-                warnings.warn(f"ratex: {err}; running {op_name(node.op)} on CPU instead", stacklevel=2)
+                _warn_once(node, err)
                 run_eagerly(node)
                 continue  # the failed node is data now; cut again
+            except Exception as err:  # noqa: BLE001 - a TVM pass failed on some node
+                if len(graph.nodes) > 1:  # find it: compile the nodes one at a time
+                    for node in graph.nodes:
+                        execute([(node, i) for i in range(len(node.metas))])
+                    continue
+                node = graph.nodes[0]
+                unlowerable.add(node.key)
+                _warn_once(node, f"compiling failed ({type(err).__name__}: {str(err)[:300]})")
+                run_eagerly(node)
+                continue
             metrics.counter_inc("UncachedCompile")
             _cache.put(graph.key, program)
         else:
@@ -48,6 +65,16 @@ def execute(values: list):
         for (node, idx), out in zip(roots, outs):
             node.set_result(idx, out)
         return
+
+
+_warned = set()
+
+
+def _warn_once(node, err):
+    name = op_name(node.op)
+    if name not in _warned:
+        _warned.add(name)
+        warnings.warn(f"ratex: {err}; running {name} on CPU PyTorch instead (correct, but slower)", stacklevel=3)
 
 
 def run_eagerly(node: Node):
@@ -66,7 +93,7 @@ def run_eagerly(node: Node):
 def mark_step():
     """Compute every live pending tensor in one program and make the results their data."""
     metrics.counter_inc("MarkStep")
-    storages = list(_pending)
+    storages = list(_pending.values())
     _pending.clear()
     execute([st.value for st in storages])
     for st in storages:

@@ -9,7 +9,7 @@ the chain (`*_scatter` ops), so a write through any view is seen by all.
 import torch
 from torch.utils._pytree import tree_map
 
-from . import metrics, ops, sync
+from . import composite, metrics, ops, sync  # noqa: F401
 from .device import LAZY, backend
 from .ir import Meta, Node
 

@@ -1,0 +1,27 @@
+"""Composite ops re-expressed for lazy tensors above autograd.
+
+PyTorch's own decompositions of these use in-place metadata changes
+(`squeeze_`), which a recorded tensor can't honour; these equivalents use
+only functional views, and autograd differentiates them op by op.
+"""
+import torch
+
+_lib = torch.library.Library("aten", "IMPL", "AutogradLazy")
+
+
+def _matmul(a, b):
+    if a.dim() == 1 and b.dim() == 1:
+        return (a * b).sum()
+    if a.dim() == 1:
+        return torch.matmul(a.unsqueeze(0), b).squeeze(-2)
+    if b.dim() == 1:
+        return torch.matmul(a, b.unsqueeze(-1)).squeeze(-1)
+    if a.dim() == 2 and b.dim() == 2:
+        return torch.mm(a, b)
+    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    a3 = a.expand(*batch, *a.shape[-2:]).reshape(-1, *a.shape[-2:])
+    b3 = b.expand(*batch, *b.shape[-2:]).reshape(-1, *b.shape[-2:])
+    return torch.bmm(a3, b3).reshape(*batch, a.shape[-2], b.shape[-1])
+
+
+_lib.impl("matmul", _matmul)

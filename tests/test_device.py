@@ -1,0 +1,104 @@
+"""The lazy device as users meet it: devices, printing, sync points, bad input."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import ratex.lazy_tensor_core.core.lazy_model as lm
+from ratex.lazy_tensor_core.debug import metrics
+
+
+def test_tensors_report_lazy_device(dev):
+    assert torch.ones(1).to("lazy").device == torch.device("lazy", 0)
+    assert torch.randn(2, 2, device="lazy").device == dev
+    model = torch.nn.Linear(3, 2).to("lazy")
+    assert all(p.device == dev for p in model.parameters())
+    assert lm.lazy_device() == dev
+    assert lm.is_lazy_tensor(model.weight) and not lm.is_lazy_tensor(torch.ones(1))
+
+
+def test_print_and_materialize(dev):
+    cpu = torch.tensor([[1.5, -2.0], [3.0, 4.0]])
+    t = cpu.to(dev) * 2
+    text = repr(t)
+    assert "device='lazy:0'" in text and "3." in text and "-4." in text
+    torch.testing.assert_close(t.cpu(), cpu * 2)
+    torch.testing.assert_close(t.to("cpu"), cpu * 2)
+    assert t.tolist() == (cpu * 2).tolist()
+    assert t.sum().item() == pytest.approx(13.0)
+    assert bool((t > 7).any()) is True
+    assert t.cpu().device.type == "cpu"
+
+
+def test_materialized_value_is_not_recomputed(dev):
+    a = torch.randn(4, device=dev)
+    b = a * 3
+    b.cpu()
+    before = metrics.counter_value("UncachedCompile") or 0
+    before += metrics.counter_value("CachedCompile") or 0
+    b.cpu()
+    after = (metrics.counter_value("UncachedCompile") or 0) + (metrics.counter_value("CachedCompile") or 0)
+    assert after == before
+
+
+def add_two_maybe(t: torch.Tensor, maybe: torch.Tensor):
+    if maybe:
+        return t + 2
+    return t
+
+
+@pytest.mark.parametrize("maybe", [False, True])
+def test_ltc_tutorial_control_flow(dev, maybe):
+    t = torch.ones(1, device=dev)
+    flag = torch.BoolTensor([maybe]).to(dev)
+    out = add_two_maybe(t, flag)
+    lm.mark_step()
+    torch.testing.assert_close(out.cpu(), add_two_maybe(torch.ones(1), torch.BoolTensor([maybe])))
+
+
+def test_pytorch_on_accelerators_examples(dev):
+    t0, t1 = torch.randn(2, 2), torch.randn(2, 2)
+    torch.testing.assert_close((t0.to(dev) + t1.to(dev)).cpu(), t0 + t1)
+    torch.testing.assert_close(t0.to(dev).mm(t1.to(dev)).cpu(), t0.mm(t1))
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(10, 20)
+    l_in = torch.randn(10)
+    want = linear(l_in)
+    got = linear.to(dev)(l_in.to(dev))
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_cpu_module_on_lazy_input_raises(dev):
+    with pytest.raises(RuntimeError, match=r"lazy:0.*cpu|cpu.*lazy:0"):
+        torch.nn.Linear(10, 20)(torch.randn(10, device=dev))
+
+
+def test_mixing_with_cpu_tensor_raises_but_cpu_scalars_work(dev):
+    x = torch.randn(3, device=dev)
+    with pytest.raises(RuntimeError, match="lazy:0 and cpu"):
+        x + torch.randn(3)
+    torch.testing.assert_close((x * torch.tensor(2.0)).cpu(), x.cpu() * 2)
+
+
+def test_shape_errors_raise_at_the_op(dev):
+    a, b = torch.randn(2, 3, device=dev), torch.randn(4, device=dev)
+    with pytest.raises(RuntimeError, match="broadcast"):
+        a + b
+    with pytest.raises(RuntimeError):
+        a.mm(torch.randn(2, 3, device=dev))
+
+
+def test_fallback_op_is_correct_and_counted(dev):
+    x = torch.rand(5) + 0.5
+    got = torch.special.i1e(x.to(dev) * 2) + 1
+    torch.testing.assert_close(got.cpu(), torch.special.i1e(x * 2) + 1)
+    assert "aten::special_i1e.default" in metrics.counter_names()
+
+
+def test_bad_ratex_device_fails_at_import():
+    env = dict(os.environ, RATEX_DEVICE="TPU")
+    proc = subprocess.run([sys.executable, "-c", "import ratex"], env=env, capture_output=True, text=True)
+    assert proc.returncode != 0
+    assert "RATEX_DEVICE='TPU'" in proc.stderr and "CPU, GPU" in proc.stderr
