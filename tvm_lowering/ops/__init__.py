@@ -18,4 +18,4 @@ def rule(*names):
     return register
 
 
-from . import arith, backward, nn, random  # noqa: E402,F401  (registration side effects)
+from . import arith, backward, nn, random, script, views  # noqa: E402,F401  (registration side effects)

@@ -1,1 +1,418 @@
 """Rules for the backward ops autograd emits on the lazy device."""
+import math
+
+from tvm import relax, te, tirx
+
+from . import rule
+from .nn import arg, cast, dtype, emit, emit_te, env, nll_pick, out_meta, pair, scalar, shape, tuple_out, zeros
+
+op = relax.op
+
+
+def _mask(node, i, name, n):
+    m = arg(node, i, name, None)
+    return [True] * n if m is None else list(m)
+
+
+# ---- elementwise activations ------------------------------------------------------------
+@rule("threshold_backward.default")
+def threshold_backward(imp, node):
+    g = env(imp, node.args[0])
+    x = env(imp, node.args[1])
+    th = arg(node, 2, "threshold")
+    return emit(imp, op.where(op.less_equal(x, scalar(th, dtype(x))), op.zeros_like(g), g))
+
+
+@rule("tanh_backward.default")
+def tanh_backward(imp, node):
+    g, y = env(imp, node.args[0]), env(imp, node.args[1])
+    one = scalar(1.0, dtype(y))
+    return emit(imp, op.multiply(g, op.subtract(one, op.multiply(y, y))))
+
+
+@rule("sigmoid_backward.default")
+def sigmoid_backward(imp, node):
+    g, y = env(imp, node.args[0]), env(imp, node.args[1])
+    one = scalar(1.0, dtype(y))
+    return emit(imp, op.multiply(g, op.multiply(y, op.subtract(one, y))))
+
+
+@rule("silu_backward.default")
+def silu_backward(imp, node):
+    g, x = env(imp, node.args[0]), env(imp, node.args[1])
+    one = scalar(1.0, dtype(x))
+    s = emit(imp, op.sigmoid(x))
+    return emit(imp, op.multiply(g, op.multiply(s, op.add(one, op.multiply(x, op.subtract(one, s))))))
+
+
+@rule("gelu_backward.default")
+def gelu_backward(imp, node):
+    g, x = env(imp, node.args[0]), env(imp, node.args[1])
+    approximate = arg(node, 2, "approximate", "none")
+    dt = dtype(x)
+    c = lambda v: scalar(v, dt)  # noqa: E731
+    if approximate == "tanh":
+        beta, kappa = math.sqrt(2.0 / math.pi), 0.044715
+        x2 = emit(imp, op.multiply(x, x))
+        inner = op.multiply(c(beta), op.add(x, op.multiply(c(kappa), op.multiply(x2, x))))
+        th = emit(imp, op.tanh(inner))
+        left_d = op.multiply(c(0.5), op.add(c(1.0), th))
+        right_d = op.multiply(
+            op.multiply(op.multiply(c(0.5), x), op.subtract(c(1.0), op.multiply(th, th))),
+            op.multiply(c(beta), op.add(c(1.0), op.multiply(c(3 * kappa), x2))),
+        )
+        return emit(imp, op.multiply(g, op.add(left_d, right_d)))
+    cdf = op.multiply(c(0.5), op.add(c(1.0), op.erf(op.multiply(x, c(1 / math.sqrt(2.0))))))
+    pdf = op.multiply(c(1 / math.sqrt(2 * math.pi)), op.exp(op.multiply(c(-0.5), op.multiply(x, x))))
+    return emit(imp, op.multiply(g, op.add(cdf, op.multiply(x, pdf))))
+
+
+@rule("hardtanh_backward.default")
+def hardtanh_backward(imp, node):
+    g, x = env(imp, node.args[0]), env(imp, node.args[1])
+    lo, hi = arg(node, 2, "min_val"), arg(node, 3, "max_val")
+    dt = dtype(x)
+    out = op.logical_or(op.less_equal(x, scalar(lo, dt)), op.greater_equal(x, scalar(hi, dt)))
+    return emit(imp, op.where(out, op.zeros_like(g), g))
+
+
+@rule("leaky_relu_backward.default")
+def leaky_relu_backward(imp, node):
+    g, x = env(imp, node.args[0]), env(imp, node.args[1])
+    slope = arg(node, 2, "negative_slope")
+    dt = dtype(x)
+    return emit(imp, op.where(op.greater(x, scalar(0.0, dt)), g, op.multiply(g, scalar(slope, dt))))
+
+
+@rule("native_dropout_backward.default")
+def native_dropout_backward(imp, node):
+    g, mask = env(imp, node.args[0]), env(imp, node.args[1])
+    scale = arg(node, 2, "scale")
+    dt = dtype(g)
+    return emit(imp, op.multiply(op.multiply(g, cast(imp, mask, dt)), scalar(scale, dt)))
+
+
+# ---- softmax ---------------------------------------------------------------------------------
+@rule("_log_softmax_backward_data.default")
+def log_softmax_backward(imp, node):
+    g, y = env(imp, node.args[0]), env(imp, node.args[1])
+    dim = arg(node, 2, "dim")
+    _, out_dt = out_meta(node)
+    s = op.sum(g, axis=[dim], keepdims=True)
+    return cast(imp, emit(imp, op.subtract(g, op.multiply(op.exp(y), s))), out_dt)
+
+
+@rule("_softmax_backward_data.default")
+def softmax_backward(imp, node):
+    g, y = env(imp, node.args[0]), env(imp, node.args[1])
+    dim = arg(node, 2, "dim")
+    _, out_dt = out_meta(node)
+    s = op.sum(op.multiply(g, y), axis=[dim], keepdims=True)
+    return cast(imp, emit(imp, op.multiply(y, op.subtract(g, s))), out_dt)
+
+
+# ---- losses ------------------------------------------------------------------------------------
+@rule("nll_loss_backward.default")
+def nll_loss_backward(imp, node):
+    go = env(imp, node.args[0])
+    x = env(imp, node.args[1])
+    target = env(imp, node.args[2])
+    weight = env(imp, arg(node, 3, "weight"))
+    reduction = arg(node, 4, "reduction", 1)
+    ignore_index = arg(node, 5, "ignore_index", -100)
+    total = env(imp, arg(node, 6, "total_weight"))
+    if len(shape(x)) > 2:
+        raise NotImplementedError("nll_loss_backward on more than 2 dims")
+    onehot, w_t = nll_pick(imp, (x, target, weight, ignore_index))
+    if reduction == 1:
+        go = emit(imp, op.divide(go, total))
+    coef = emit(imp, op.negative(op.multiply(w_t, go)))
+    return emit(imp, op.multiply(onehot, op.expand_dims(coef, -1)))
+
+
+@rule("mse_loss_backward.default")
+def mse_loss_backward(imp, node):
+    go, x, t = (env(imp, a) for a in node.args[:3])
+    reduction = arg(node, 3, "reduction", 1)
+    dt = dtype(x)
+    n = 1
+    for s in shape(x):
+        n *= s
+    factor = 2.0 / n if reduction == 1 else 2.0
+    return emit(imp, op.multiply(op.multiply(op.subtract(x, t), scalar(factor, dt)), go))
+
+
+# ---- convolution -----------------------------------------------------------------------------
+def _conv_out_padding(in_size, out_size, k, s, p, d):
+    return [i - ((o - 1) * st - 2 * pp + dd * (kk - 1) + 1) for i, o, kk, st, pp, dd in zip(in_size, out_size, k, s, p, d)]
+
+
+@rule("convolution_backward.default")
+def convolution_backward(imp, node):
+    g = env(imp, node.args[0])
+    x = env(imp, node.args[1])
+    w = env(imp, node.args[2])
+    stride, padding, dilation = arg(node, 4, "stride"), arg(node, 5, "padding"), arg(node, 6, "dilation")
+    transposed = arg(node, 7, "transposed")
+    groups = arg(node, 9, "groups")
+    mask = _mask(node, 10, "output_mask", 3)
+    if transposed:
+        raise NotImplementedError("convolution_backward for transposed convolutions")
+    nsp = len(shape(x)) - 2
+    if nsp not in (1, 2):
+        raise NotImplementedError(f"convolution_backward with {nsp} spatial dims")
+    stride, padding, dilation = pair(stride, nsp), pair(padding, nsp), pair(dilation, nsp)
+    if nsp == 1:  # lift to 2-D with a unit height
+        g = emit(imp, op.expand_dims(g, 2))
+        x = emit(imp, op.expand_dims(x, 2))
+        w = emit(imp, op.expand_dims(w, 2))
+        stride, padding, dilation = [1] + stride, [0] + padding, [1] + dilation
+    N, C, H, W = shape(x)
+    O, Cg, KH, KW = shape(w)
+    _, _, Ho, Wo = shape(g)
+    G = groups
+    grad_in = grad_w = grad_b = None
+    if mask[0]:
+        # grad_input: transposed conv of grad with the same weight (OIHW read as IOHW).
+        opad = _conv_out_padding((H, W), (Ho, Wo), (KH, KW), stride, padding, dilation)
+        if all(0 <= op_ < max(s, d) for op_, s, d in zip(opad, stride, dilation)):
+            grad_in = emit(
+                imp,
+                op.nn.conv2d_transpose(
+                    g, w, strides=stride, padding=padding, output_padding=opad, dilation=dilation, groups=G
+                ),
+            )
+        else:  # output padding beyond what conv2d_transpose takes: pad the result instead
+            opad0 = [min(p, max(s, d) - 1) for p, s, d in zip(opad, stride, dilation)]
+            gi = emit(
+                imp,
+                op.nn.conv2d_transpose(
+                    g, w, strides=stride, padding=padding, output_padding=opad0, dilation=dilation, groups=G
+                ),
+            )
+            extra = [a - b for a, b in zip(opad, opad0)]
+            grad_in = emit(imp, op.nn.pad(gi, [0, 0, 0, 0, 0, extra[0], 0, extra[1]]))
+    if mask[1]:
+        # grad_weight[o, c, i, j] = sum_{n,ho,wo} g[n, o, ho, wo] * xpad[n, c, ho*s + i*d, wo*s + j*d]:
+        # a conv of x (batch as channels) with g as kernel, stride/dilation swapped.
+        xr = emit(imp, op.reshape(x, [N, G, Cg, H, W]))
+        xr = emit(imp, op.permute_dims(xr, [2, 1, 0, 3, 4]))
+        xr = emit(imp, op.reshape(xr, [Cg, G * N, H, W]))
+        gr = emit(imp, op.permute_dims(g, [1, 0, 2, 3]))  # (O, N, Ho, Wo), O = G*Og
+        gw = emit(
+            imp,
+            op.nn.conv2d(xr, gr, strides=dilation, padding=padding, dilation=stride, groups=G),
+        )  # (Cg, O, KH', KW')
+        gw = emit(imp, op.permute_dims(gw, [1, 0, 2, 3]))
+        if shape(gw)[2:] != [KH, KW]:
+            gw = emit(imp, op.strided_slice(gw, [2, 3], [0, 0], [KH, KW]))
+        grad_w = gw
+    if mask[2]:
+        grad_b = emit(imp, op.sum(g, axis=[0, 2, 3]))
+    if nsp == 1:
+        grad_in = None if grad_in is None else emit(imp, op.squeeze(grad_in, [2]))
+        grad_w = None if grad_w is None else emit(imp, op.squeeze(grad_w, [2]))
+    return tuple_out(imp, node, [grad_in, grad_w, grad_b])
+
+
+# ---- pooling ---------------------------------------------------------------------------------
+@rule("max_pool2d_with_indices_backward.default")
+def max_pool2d_with_indices_backward(imp, node):
+    g = env(imp, node.args[0])
+    x = env(imp, node.args[1])
+    idx = env(imp, arg(node, 7, "indices"))
+    xs, gs = shape(x), shape(g)
+    lead = xs[:-2]
+    plane = xs[-2] * xs[-1]
+    gflat = emit(imp, op.reshape(g, lead + [gs[-2] * gs[-1]]))
+    iflat = emit(imp, op.reshape(idx, lead + [gs[-2] * gs[-1]]))
+    base = zeros(imp, lead + [plane], dtype(g))
+    out = emit(imp, op.scatter_elements(base, iflat, gflat, axis=len(lead), reduction="add"))
+    return emit(imp, op.reshape(out, xs))
+
+
+def _avg_pool_bwd_te(g, H, W, kernel, stride, padding, ceil_mode, count_include_pad, divisor):
+    *lead, Ho, Wo = g.shape
+    kh, kw = kernel
+    sh, sw = stride
+    ph, pw = padding
+    dt = str(g.dtype)
+
+    def div_of(oh, ow):
+        if divisor:
+            return tirx.const(divisor, "int32")
+        h0, w0 = oh * sh - ph, ow * sw - pw
+        h1, w1 = tirx.min(h0 + kh, H + ph), tirx.min(w0 + kw, W + pw)
+        if count_include_pad:
+            return (h1 - h0) * (w1 - w0)
+        return (tirx.min(h1, H) - tirx.max(h0, 0)) * (tirx.min(w1, W) - tirx.max(w0, 0))
+
+    scaled = te.compute(
+        g.shape, lambda *i: g[i] / div_of(i[-2], i[-1]).astype(dt), name="avg_pool_scaled"
+    )
+
+    def body(*idx):
+        lead_idx, h, w = idx[:-2], idx[-2], idx[-1]
+        acc = tirx.const(0, dt)
+        for i in range(kh):
+            nh = h + ph - i
+            oh = tirx.floordiv(nh, sh)
+            vh = tirx.all(nh >= 0, tirx.floormod(nh, sh) == 0, oh < Ho)
+            for j in range(kw):
+                nw = w + pw - j
+                ow = tirx.floordiv(nw, sw)
+                ok = tirx.all(vh, nw >= 0, tirx.floormod(nw, sw) == 0, ow < Wo)
+                acc = acc + tirx.if_then_else(ok, scaled[(*lead_idx, oh, ow)], tirx.const(0, dt))
+        return acc
+
+    return te.compute((*lead, H, W), body, name="avg_pool2d_backward")
+
+
+@rule("avg_pool2d_backward.default")
+def avg_pool2d_backward(imp, node):
+    g = env(imp, node.args[0])
+    x = env(imp, node.args[1])
+    kernel = pair(arg(node, 2, "kernel_size"))
+    stride = arg(node, 3, "stride")
+    stride = pair(stride) if stride else kernel
+    padding = pair(arg(node, 4, "padding"))
+    ceil_mode = arg(node, 5, "ceil_mode")
+    cip = arg(node, 6, "count_include_pad")
+    divisor = arg(node, 7, "divisor_override")
+    H, W = shape(x)[-2:]
+    return emit_te(imp, _avg_pool_bwd_te, g, H, W, kernel, stride, padding, ceil_mode, cip, divisor)
+
+
+def _adaptive_avg_bwd_te(g, H, W):
+    *lead, Ho, Wo = g.shape
+    Ho, Wo = int(Ho), int(Wo)
+    dt = str(g.dtype)
+    rh = te.reduce_axis((0, Ho), name="oh")
+    rw = te.reduce_axis((0, Wo), name="ow")
+
+    def start(o, insz, outsz):
+        return tirx.floordiv(o * insz, outsz)
+
+    def end(o, insz, outsz):
+        return tirx.floordiv((o + 1) * insz + outsz - 1, outsz)
+
+    def body(*idx):
+        lead_idx, h, w = idx[:-2], idx[-2], idx[-1]
+        hs, he = start(rh, H, Ho), end(rh, H, Ho)
+        ws, we = start(rw, W, Wo), end(rw, W, Wo)
+        inside = tirx.all(hs <= h, h < he, ws <= w, w < we)
+        area = ((he - hs) * (we - ws)).astype(dt)
+        return te.sum(
+            tirx.if_then_else(inside, g[(*lead_idx, rh, rw)] / area, tirx.const(0, dt)), axis=[rh, rw]
+        )
+
+    return te.compute((*lead, H, W), body, name="adaptive_avg_pool2d_backward")
+
+
+@rule("_adaptive_avg_pool2d_backward.default")
+def adaptive_avg_pool2d_backward(imp, node):
+    g = env(imp, node.args[0])
+    x = env(imp, node.args[1])
+    H, W = shape(x)[-2:]
+    return emit_te(imp, _adaptive_avg_bwd_te, g, H, W)
+
+
+# ---- normalization ---------------------------------------------------------------------------
+@rule("native_layer_norm_backward.default")
+def native_layer_norm_backward(imp, node):
+    go = env(imp, node.args[0])
+    x = env(imp, node.args[1])
+    nshape = list(node.args[2])
+    mean = env(imp, node.args[3])
+    rstd = env(imp, node.args[4])
+    w = env(imp, arg(node, 5, "weight"))
+    b = env(imp, arg(node, 6, "bias"))
+    mask = _mask(node, 7, "output_mask", 3)
+    nd, k = len(shape(x)), len(nshape)
+    axes = list(range(nd - k, nd))
+    batch_axes = list(range(0, nd - k))
+    xhat = emit(imp, op.multiply(op.subtract(x, mean), rstd))
+    gi = gw = gb = None
+    if mask[0]:
+        gx = emit(imp, op.multiply(go, w)) if w is not None else go
+        m1 = op.mean(gx, axis=axes, keepdims=True)
+        m2 = op.mean(op.multiply(gx, xhat), axis=axes, keepdims=True)
+        gi = emit(imp, op.multiply(rstd, op.subtract(op.subtract(gx, m1), op.multiply(xhat, m2))))
+    if mask[1] and w is not None:
+        prod = op.multiply(go, xhat)
+        gw = emit(imp, op.sum(prod, axis=batch_axes) if batch_axes else prod)
+    if mask[2] and b is not None:
+        gb = emit(imp, op.sum(go, axis=batch_axes)) if batch_axes else go
+    return tuple_out(imp, node, [gi, gw, gb])
+
+
+@rule("native_batch_norm_backward.default")
+def native_batch_norm_backward(imp, node):
+    go = env(imp, node.args[0])
+    x = env(imp, node.args[1])
+    w = env(imp, arg(node, 2, "weight"))
+    rm = env(imp, arg(node, 3, "running_mean"))
+    rv = env(imp, arg(node, 4, "running_var"))
+    save_mean = env(imp, arg(node, 5, "save_mean"))
+    save_invstd = env(imp, arg(node, 6, "save_invstd"))
+    train = arg(node, 7, "train")
+    eps = arg(node, 8, "eps")
+    mask = _mask(node, 9, "output_mask", 3)
+    dt = dtype(x)
+    nd = len(shape(x))
+    axes = [0] + list(range(2, nd))
+
+    def bc(v):
+        return emit(imp, op.reshape(v, [-1] + [1] * (nd - 2)))
+
+    if train:
+        mean, invstd = save_mean, save_invstd
+    else:
+        mean = rm
+        invstd = emit(imp, op.rsqrt(op.add(rv, scalar(eps, dt))))
+    xhat = emit(imp, op.multiply(op.subtract(x, bc(mean)), bc(invstd)))
+    gi = gw = gb = None
+    wv = bc(w) if w is not None else None
+    if mask[0]:
+        scale = op.multiply(bc(invstd), wv) if wv is not None else bc(invstd)
+        if train:
+            m1 = op.mean(go, axis=axes, keepdims=True)
+            m2 = op.mean(op.multiply(go, xhat), axis=axes, keepdims=True)
+            gi = emit(imp, op.multiply(scale, op.subtract(op.subtract(go, m1), op.multiply(xhat, m2))))
+        else:
+            gi = emit(imp, op.multiply(go, scale))
+    if mask[1]:
+        gw = emit(imp, op.sum(op.multiply(go, xhat), axis=axes))
+    if mask[2]:
+        gb = emit(imp, op.sum(go, axis=axes))
+    return tuple_out(imp, node, [gi, gw, gb])
+
+
+# ---- embedding -------------------------------------------------------------------------------
+@rule("embedding_dense_backward.default")
+def embedding_dense_backward(imp, node):
+    g = env(imp, node.args[0])
+    idx = env(imp, node.args[1])
+    num_weights = arg(node, 2, "num_weights")
+    padding_idx = arg(node, 3, "padding_idx")
+    by_freq = arg(node, 4, "scale_grad_by_freq")
+    D = shape(g)[-1]
+    M = 1
+    for s in shape(idx):
+        M *= s
+    dt = dtype(g)
+    flat = emit(imp, op.reshape(cast(imp, idx, "int64"), [M]))
+    rows = emit(imp, op.reshape(g, [M, D]))
+    if padding_idx is not None and padding_idx >= 0:
+        keep = op.expand_dims(op.not_equal(flat, relax.const(padding_idx, "int64")), -1)
+        rows = emit(imp, op.where(keep, rows, op.zeros_like(rows)))
+    if by_freq:
+        counts = emit(
+            imp,
+            op.scatter_elements(
+                zeros(imp, [num_weights], dt), flat, op.ones_like(cast(imp, flat, dt)), axis=0, reduction="add"
+            ),
+        )
+        rows = emit(imp, op.divide(rows, op.expand_dims(op.take(counts, flat, axis=0), -1)))
+    index = emit(imp, op.broadcast_to(op.expand_dims(flat, -1), relax.ShapeExpr([M, D])))
+    return emit(imp, op.scatter_elements(zeros(imp, [num_weights, D], dt), index, rows, axis=0, reduction="add"))

@@ -1,7 +1,348 @@
-"""Neural-network forward ops where TVM's rule is missing or wrong."""
+"""Neural-network forward ops where TVM's rule is missing or wrong.
+
+Also home of the small helpers the other rule modules share (`arg`, `shape`,
+`dtype`, `out_meta`, ...).
+"""
+import numpy as np
+from tvm import relax, te, tirx
+
 from . import rule
 
-# TVM's rules for these return wrong values (zeros for pooling indices, an
-# identity for training-mode dropout); None removes them so the op runs
-# eagerly until a correct rule replaces it here.
-rule("max_pool2d_with_indices.default", "native_dropout.default", "dropout.default")(None)
+# TVM's rules for these return wrong values (an identity for training-mode
+# dropout); None removes them so the op runs eagerly until a correct rule
+# replaces it (see random.py).
+rule("native_dropout.default", "dropout.default")(None)
+
+
+# ---- helpers shared by the rule modules ------------------------------------------
+def arg(node, i, name, default=None):
+    """Return argument `i` (or keyword `name`) of an fx call node."""
+    if len(node.args) > i:
+        return node.args[i]
+    return node.kwargs.get(name, default)
+
+
+def env(imp, x):
+    """Relax value of an fx node argument, None for None."""
+    return None if x is None else imp.env[x]
+
+
+def emit(imp, expr):
+    return imp.block_builder.emit(expr)
+
+
+def emit_te(imp, fn, *args, **kwargs):
+    return imp.block_builder.emit_te(fn, *args, **kwargs)
+
+
+def shape(expr):
+    return [int(s) for s in expr.ty.shape.values]
+
+
+def dtype(expr):
+    return str(expr.ty.dtype)
+
+
+def out_meta(node, i=None):
+    """(shape, tvm dtype) that PyTorch recorded for output `i` (None: the single output)."""
+    from ..dtypes import to_tvm
+
+    val = node.meta["val"]
+    if i is not None:
+        val = val[i]
+    if val is None:
+        return None
+    return [int(s) for s in val.shape], to_tvm(val.dtype)
+
+
+def scalar(v, dt):
+    return relax.const(v, dt)
+
+
+def cast(imp, x, dt):
+    return x if dtype(x) == dt else emit(imp, relax.op.astype(x, dt))
+
+
+def zeros(imp, shp, dt):
+    return emit(imp, relax.op.zeros(relax.ShapeExpr(list(shp)), dt))
+
+
+def tuple_out(imp, node, outs):
+    """Return a relax.Tuple of `outs`; None entries become cheap zero placeholders.
+
+    A masked-off output (output_mask False) is None in node.meta['val'] and the
+    importer does not check it; nothing reads it, so a 1-element zero tensor
+    stands in (or zeros of the recorded shape where PyTorch recorded one).
+    """
+    fields = []
+    for i, o in enumerate(outs):
+        if o is None:
+            m = out_meta(node, i)
+            o = zeros(imp, m[0], m[1]) if m is not None else zeros(imp, [1], "float32")
+        fields.append(o)
+    return emit(imp, relax.Tuple(fields))
+
+
+def norm_dims(dims, ndim):
+    if isinstance(dims, int):
+        dims = [dims]
+    return [d % ndim if ndim else 0 for d in dims]
+
+
+def pair(v, n=2):
+    if isinstance(v, int):
+        return [v] * n
+    v = list(v)
+    return v * n if len(v) == 1 else v
+
+
+# ---- max_pool2d_with_indices ---------------------------------------------------------
+def _maxpool_te(x, kernel, stride, padding, dilation, out_hw):
+    """Values and int64 flat indices (h*W+w) of a 2-D max pool over the last two dims.
+
+    Matches PyTorch's CPU kernel, which scans each window in row-major order and
+    replaces the current max only by a strictly greater value or a NaN: ties go
+    to the smallest index, NaN beats everything and among NaNs the last one wins.
+    That is a total order on (value, index), so an argmax reducer gives the
+    same answer in any reduction order. Padding reads as (-inf, huge index).
+    """
+    *lead, H, W = x.shape
+    kh, kw = kernel
+    sh, sw = stride
+    ph, pw = padding
+    dh, dw = dilation
+    Ho, Wo = out_hw
+    dt = str(x.dtype)
+    is_float = dt.startswith("float") or dt.startswith("bfloat")
+    ninf = tirx.const(-np.inf, dt) if is_float else tirx.min_value(dt)
+    big = tirx.const(np.iinfo(np.int64).max, "int64")
+
+    def combine(a, b):
+        i0, v0 = a
+        i1, v1 = b
+        if is_float:
+            n0, n1 = tirx.isnan(v0), tirx.isnan(v1)
+            take = tirx.any(
+                tirx.all(n1, tirx.any(tirx.Not(n0), i1 > i0)),
+                tirx.all(tirx.Not(n0), tirx.Not(n1), tirx.any(v1 > v0, tirx.all(v1 == v0, i1 < i0))),
+            )
+        else:
+            take = tirx.any(v1 > v0, tirx.all(v1 == v0, i1 < i0))
+        return tirx.Select(take, i1, i0), tirx.Select(take, v1, v0)
+
+    def identity(t0, t1):
+        return big, ninf
+
+    argmax = te.comm_reducer(combine, identity, name="torch_argmax")
+    ri = te.reduce_axis((0, kh), name="ki")
+    rj = te.reduce_axis((0, kw), name="kj")
+
+    def body(*idx):
+        lead_idx, oh, ow = idx[:-2], idx[-2], idx[-1]
+        h = oh * sh - ph + ri * dh
+        w = ow * sw - pw + rj * dw
+        valid = tirx.all(h >= 0, h < H, w >= 0, w < W)
+        v = tirx.if_then_else(valid, x[(*lead_idx, h, w)], ninf)
+        i = tirx.Select(valid, (h * W + w).astype("int64"), big)
+        return argmax((i, v), axis=[ri, rj])
+
+    inds, vals = te.compute((*lead, Ho, Wo), body, name="max_pool2d_with_indices")
+    return vals, inds
+
+
+@rule("max_pool2d_with_indices.default")
+def max_pool2d_with_indices(imp, node):
+    x = env(imp, node.args[0])
+    kernel = pair(arg(node, 1, "kernel_size"))
+    stride = arg(node, 2, "stride", None)
+    stride = pair(stride) if stride else kernel
+    padding = pair(arg(node, 3, "padding", 0))
+    dilation = pair(arg(node, 4, "dilation", 1))
+    out_shape, _ = out_meta(node, 0)
+    out = emit_te(imp, _maxpool_te, x, kernel, stride, padding, dilation, out_shape[-2:])
+    vals = emit(imp, relax.TupleGetItem(out, 0))
+    inds = emit(imp, relax.TupleGetItem(out, 1))
+    return emit(imp, relax.Tuple([vals, inds]))
+
+
+# ---- losses -------------------------------------------------------------------------
+def nll_pick(imp, node_args, n_classes_axis=1):
+    """Common part of nll_loss forward/backward: (one_hot mask, per-sample weight w_t)."""
+    x, target, weight, ignore_index = node_args
+    xs = shape(x)
+    dt = dtype(x)
+    C = xs[-1] if len(xs) == 1 else xs[1]
+    tgt = cast(imp, target, "int64")
+    valid = emit(imp, relax.op.not_equal(tgt, relax.const(ignore_index, "int64")))
+    safe = emit(imp, relax.op.where(valid, tgt, relax.const(0, "int64")))
+    if weight is not None:
+        w_t = emit(imp, relax.op.take(weight, safe, axis=0))
+    else:
+        w_t = emit(imp, relax.op.ones_like(cast(imp, safe, dt)))
+    w_t = emit(imp, relax.op.where(valid, w_t, relax.const(0, dt)))
+    classes = emit(imp, relax.op.arange(0, C, 1, "int64"))
+    onehot = emit(imp, relax.op.equal(relax.op.expand_dims(safe, -1), classes))
+    onehot = cast(imp, onehot, dt)
+    return onehot, w_t
+
+
+@rule("nll_loss_forward.default")
+def nll_loss_forward(imp, node):
+    x = env(imp, node.args[0])
+    target = env(imp, node.args[1])
+    weight = env(imp, arg(node, 2, "weight"))
+    reduction = arg(node, 3, "reduction", 1)
+    ignore_index = arg(node, 4, "ignore_index", -100)
+    if len(shape(x)) > 2:
+        raise NotImplementedError("nll_loss_forward on more than 2 dims")
+    dt = dtype(x)
+    onehot, w_t = nll_pick(imp, (x, target, weight, ignore_index))
+    picked = emit(imp, relax.op.sum(relax.op.multiply(x, onehot), axis=[-1]))
+    losses = emit(imp, relax.op.negative(relax.op.multiply(picked, w_t)))
+    total = emit(imp, relax.op.sum(w_t))
+    if reduction == 0:
+        out = losses
+        tw_shape, _ = out_meta(node, 1)
+        total = zeros(imp, tw_shape, dt)
+    elif reduction == 2:
+        out = emit(imp, relax.op.sum(losses))
+    else:
+        out = emit(imp, relax.op.divide(relax.op.sum(losses), total))
+    return emit(imp, relax.Tuple([out, total]))
+
+
+@rule("mse_loss.default")
+def mse_loss(imp, node):
+    x = env(imp, node.args[0])
+    t = env(imp, node.args[1])
+    reduction = arg(node, 2, "reduction", 1)
+    d = emit(imp, relax.op.subtract(x, t))
+    sq = emit(imp, relax.op.multiply(d, d))
+    if reduction == 0:
+        return sq
+    if reduction == 2:
+        return emit(imp, relax.op.sum(sq))
+    return emit(imp, relax.op.mean(sq))
+
+
+# ---- reductions -------------------------------------------------------------------------
+@rule("amax.default")
+def amax(imp, node):
+    x = env(imp, node.args[0])
+    dims = arg(node, 1, "dim", [])
+    keepdim = arg(node, 2, "keepdim", False)
+    nd = len(shape(x))
+    axes = norm_dims(dims, nd) if dims not in ([], ()) else None
+    if nd == 0:
+        return x
+    return emit(imp, relax.op.max(x, axis=axes, keepdims=keepdim))
+
+
+# ---- normalization -----------------------------------------------------------------------
+@rule("native_layer_norm.default")
+def native_layer_norm(imp, node):
+    """(out, mean, rstd): mean/rstd keep the normalized dims as size 1, as PyTorch does."""
+    x = env(imp, node.args[0])
+    nshape = list(node.args[1])
+    w = env(imp, arg(node, 2, "weight"))
+    b = env(imp, arg(node, 3, "bias"))
+    eps = arg(node, 4, "eps", 1e-5)
+    dt = dtype(x)
+    axes = list(range(-len(nshape), 0))
+    mean = emit(imp, relax.op.mean(x, axis=axes, keepdims=True))
+    xc = emit(imp, relax.op.subtract(x, mean))
+    var = emit(imp, relax.op.mean(relax.op.multiply(xc, xc), axis=axes, keepdims=True))
+    rstd = emit(imp, relax.op.rsqrt(relax.op.add(var, scalar(eps, dt))))
+    out = emit(imp, relax.op.multiply(xc, rstd))
+    if w is not None:
+        out = emit(imp, relax.op.multiply(out, w))
+    if b is not None:
+        out = emit(imp, relax.op.add(out, b))
+    return emit(imp, relax.Tuple([out, mean, rstd]))
+
+
+def _bn_bcast(imp, v, nd):
+    """Reshape a per-channel vector (C,) to broadcast against (N, C, *spatial)."""
+    return emit(imp, relax.op.reshape(v, [-1] + [1] * (nd - 2)))
+
+
+@rule("native_batch_norm.default", "_native_batch_norm_legit_no_training.default")
+def native_batch_norm(imp, node):
+    """(out, save_mean, save_invstd); running stats are not updated here (see report)."""
+    name = node.target.__name__
+    x = env(imp, node.args[0])
+    w = env(imp, arg(node, 1, "weight"))
+    b = env(imp, arg(node, 2, "bias"))
+    rm = env(imp, arg(node, 3, "running_mean"))
+    rv = env(imp, arg(node, 4, "running_var"))
+    if name.startswith("_native_batch_norm_legit_no_training"):
+        training, eps = False, arg(node, 6, "eps")
+    else:
+        training, eps = arg(node, 5, "training"), arg(node, 7, "eps")
+    dt = dtype(x)
+    nd = len(shape(x))
+    axes = [0] + list(range(2, nd))
+    if training:
+        mean = emit(imp, relax.op.mean(x, axis=axes))
+        xc = emit(imp, relax.op.subtract(x, _bn_bcast(imp, mean, nd)))
+        var = emit(imp, relax.op.mean(relax.op.multiply(xc, xc), axis=axes))
+        invstd = emit(imp, relax.op.rsqrt(relax.op.add(var, scalar(eps, dt))))
+        save_mean, save_invstd = mean, invstd
+    else:
+        if rm is None or rv is None:
+            raise NotImplementedError("eval-mode batch norm without running stats")
+        xc = emit(imp, relax.op.subtract(x, _bn_bcast(imp, rm, nd)))
+        invstd = emit(imp, relax.op.rsqrt(relax.op.add(rv, scalar(eps, dt))))
+        # PyTorch CPU returns empty save_mean/save_invstd in eval mode.
+        save_mean = zeros(imp, out_meta(node, 1)[0], dt)
+        save_invstd = zeros(imp, out_meta(node, 2)[0], dt)
+    out = emit(imp, relax.op.multiply(xc, _bn_bcast(imp, invstd, nd)))
+    if w is not None:
+        out = emit(imp, relax.op.multiply(out, _bn_bcast(imp, w, nd)))
+    if b is not None:
+        out = emit(imp, relax.op.add(out, _bn_bcast(imp, b, nd)))
+    return emit(imp, relax.Tuple([out, save_mean, save_invstd]))
+
+
+# ---- avg_pool2d ---------------------------------------------------------------------------
+def _avg_pool_te(x, kernel, stride, padding, out_hw, count_include_pad, divisor):
+    *lead, H, W = x.shape
+    kh, kw = kernel
+    sh, sw = stride
+    ph, pw = padding
+    dt = str(x.dtype)
+
+    def body(*idx):
+        lead_idx, oh, ow = idx[:-2], idx[-2], idx[-1]
+        h0, w0 = oh * sh - ph, ow * sw - pw
+        acc = tirx.const(0, dt)
+        for i in range(kh):
+            for j in range(kw):
+                h, w = h0 + i, w0 + j
+                ok = tirx.all(h >= 0, h < H, w >= 0, w < W)
+                acc = acc + tirx.if_then_else(ok, x[(*lead_idx, h, w)], tirx.const(0, dt))
+        if divisor:
+            div = tirx.const(divisor, "int32")
+        else:
+            h1, w1 = tirx.min(h0 + kh, H + ph), tirx.min(w0 + kw, W + pw)
+            if count_include_pad:
+                div = (h1 - h0) * (w1 - w0)
+            else:
+                div = (tirx.min(h1, H) - tirx.max(h0, 0)) * (tirx.min(w1, W) - tirx.max(w0, 0))
+        return acc / div.astype(dt)
+
+    return te.compute((*lead, *out_hw), body, name="avg_pool2d")
+
+
+@rule("avg_pool2d.default")
+def avg_pool2d(imp, node):
+    """TVM's rule ignores divisor_override; this one follows PyTorch's CPU kernel."""
+    x = env(imp, node.args[0])
+    kernel = pair(arg(node, 1, "kernel_size"))
+    stride = arg(node, 2, "stride", None)
+    stride = pair(stride) if stride else kernel
+    padding = pair(arg(node, 3, "padding", 0))
+    cip = arg(node, 5, "count_include_pad", True)
+    divisor = arg(node, 6, "divisor_override", None)
+    out_shape, _ = out_meta(node)
+    return emit_te(imp, _avg_pool_te, x, kernel, stride, padding, out_shape[-2:], cip, divisor)

@@ -1,0 +1,389 @@
+"""Lowering rules of tvm_lowering/ops: each ATen op on lazy tensors vs the same op on CPU.
+
+Every check also asserts the op was lowered (counter `ratex::<op>`) and did not
+fall back to CPU (no counter `aten::<op>`).
+"""
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ratex  # noqa: F401
+import ratex.lazy_tensor_core.core.lazy_model as lm
+from ratex.lazy_tensor_core.debug import metrics
+
+aten = torch.ops.aten
+
+
+def _lazy(x):
+    return x.to("lazy") if isinstance(x, torch.Tensor) else x
+
+
+def _cpu(x):
+    if isinstance(x, (list, tuple)):
+        return type(x)(_cpu(y) for y in x)
+    return x.cpu() if isinstance(x, torch.Tensor) else x
+
+
+def check(fn, *args, ops=(), rtol=1e-4, atol=1e-5):
+    """Run fn(*args) on lazy copies and on CPU; compare; assert each op in `ops` was lowered."""
+    expected = fn(*args)
+    metrics.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a rule failing while lowering warns: make it fail the test
+        got = _cpu(fn(*[_lazy(a) for a in args]))
+    torch.testing.assert_close(got, expected, rtol=rtol, atol=atol, equal_nan=True)
+    eager = [n for n in metrics.counter_names() if n.startswith("aten::")]
+    assert not eager, f"ran eagerly: {eager}"
+    for name in ops:
+        assert metrics.counter_value(f"aten::{name}") is None, f"{name} ran eagerly"
+        if _decomposes(name):  # CompositeImplicit: the lazy device sees its parts, not the op
+            continue
+        assert (metrics.counter_value(f"ratex::{name}") or 0) > 0, f"{name} was not traced"
+    return got
+
+
+def _decomposes(name):
+    return torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{name.split('.')[0]}", "CompositeImplicitAutograd")
+
+
+def rnd(*shape, dtype=torch.float32):
+    return torch.randn(*shape, dtype=dtype)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+# ---- group 1 -------------------------------------------------------------------------------
+def test_t_unsafe_view():
+    check(
+        lambda a, b: (aten.t.default(a), aten._unsafe_view.default(b, [3, 4]), aten.t.default(b[0])),
+        rnd(2, 5), rnd(2, 6),
+        ops=["t.default", "_unsafe_view.default"],
+    )
+
+
+def test_threshold_backward_and_activation_backwards():
+    x = rnd(3, 7)
+    x[0, :3] = torch.tensor([0.0, -1.0, 1.0])  # hit the thresholds exactly
+    check(
+        lambda g, x, y: (
+            aten.threshold_backward.default(g, x, 0.0),
+            aten.tanh_backward.default(g, y),
+            aten.sigmoid_backward.default(g, y),
+            aten.silu_backward.default(g, x),
+            aten.gelu_backward.default(g, x),
+            aten.gelu_backward.default(g, x, approximate="tanh"),
+            aten.hardtanh_backward.default(g, x, -1.0, 1.0),
+            aten.leaky_relu_backward.default(g, x, 0.2, False),
+        ),
+        rnd(3, 7), x, torch.rand(3, 7),
+        ops=["threshold_backward.default", "tanh_backward.default", "sigmoid_backward.default",
+             "silu_backward.default", "gelu_backward.default", "hardtanh_backward.default",
+             "leaky_relu_backward.default"],
+    )
+
+
+@pytest.mark.parametrize(
+    "xs,ws,stride,padding,dilation,groups",
+    [
+        ((2, 3, 7, 7), (4, 3, 3, 3), [1, 1], [1, 1], [1, 1], 1),
+        ((2, 4, 9, 8), (6, 2, 3, 2), [2, 3], [1, 0], [1, 2], 2),
+        ((1, 2, 10, 10), (2, 1, 3, 3), [3, 3], [2, 2], [2, 2], 2),  # depthwise, uneven output padding
+    ],
+)
+def test_convolution_backward(xs, ws, stride, padding, dilation, groups):
+    x, w = rnd(*xs), rnd(*ws)
+    out = F.conv2d(x, w, None, stride, padding, dilation, groups)
+    g = torch.randn_like(out)
+    check(
+        lambda g, x, w: aten.convolution_backward.default(
+            g, x, w, [ws[0]], stride, padding, dilation, False, [0, 0], groups, [True, True, True]
+        ),
+        g, x, w,
+        ops=["convolution_backward.default"],
+    )
+
+
+def test_convolution_backward_1d():
+    x, w = rnd(2, 3, 11), rnd(4, 3, 3)
+    g = torch.randn_like(F.conv1d(x, w, stride=2, padding=1))
+    check(
+        lambda g, x, w: aten.convolution_backward.default(
+            g, x, w, [4], [2], [1], [1], False, [0], 1, [True, True, True]
+        ),
+        g, x, w,
+        ops=["convolution_backward.default"],
+    )
+
+
+class In:
+    """Marks input `i` in the argument list given to _lower_and_run."""
+
+    def __init__(self, i):
+        self.i = i
+
+
+def _lower_and_run(op, args, cpu_inputs):
+    """Lower one op straight through tvm_lowering (internal) and run it; return its non-None outputs.
+
+    Used where the lazy device cannot reach a rule today: ops with None outputs
+    (output_mask False) are rejected by ratex's shape inference and run eagerly.
+    """
+    import operator
+
+    import tvm
+    import tvm_lowering
+    from torch import fx
+
+    g = fx.Graph()
+    phs = []
+    for i, t in enumerate(cpu_inputs):
+        p = g.placeholder(f"in{i}")
+        p.meta["val"] = torch.empty(t.shape, dtype=t.dtype, device="meta")
+        phs.append(p)
+    call = g.call_function(op, tuple(phs[a.i] if isinstance(a, In) else a for a in args))
+    vals = op(*[phs[a.i].meta["val"] if isinstance(a, In) else a for a in args])
+    call.meta["val"] = vals
+    outs = []
+    for i, v in enumerate(vals):
+        if v is not None:
+            item = g.call_function(operator.getitem, (call, i))
+            item.meta["val"] = v
+            outs.append(item)
+    g.output(tuple(outs))
+    mod = tvm_lowering.import_graph(g)
+    target = tvm_lowering.resolve_target("CPU")
+    vm = tvm.relax.VirtualMachine(tvm_lowering.build(mod, target), tvm.cpu())
+    res = vm["main"](*[tvm.runtime.tensor(t.numpy()) for t in cpu_inputs])
+    return [torch.from_numpy(r.numpy()) for r in res]
+
+
+def test_convolution_backward_output_mask():
+    x, w = rnd(2, 3, 6, 6), rnd(4, 3, 3, 3)
+    g = torch.randn_like(F.conv2d(x, w, padding=1))
+    for mask in ([False, True, True], [True, False, False], [False, False, True]):
+        args = (In(0), In(1), In(2), [4], [1, 1], [1, 1], [1, 1], False, [0, 0], 1, mask)
+        got = _lower_and_run(aten.convolution_backward.default, args, [g, x, w])
+        # (CPU may fill outputs that the mask turns off, so pick by the mask.)
+        want = [t for t, m in zip(aten.convolution_backward.default(g, x, w, *args[3:]), mask) if m]
+        assert len(got) == len(want)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "shape,k,s,p,d,ceil",
+    [
+        ((2, 3, 8, 8), [2, 2], [2, 2], [0, 0], [1, 1], False),
+        ((1, 2, 7, 9), [3, 2], [2, 1], [1, 1], [1, 2], True),
+        ((2, 7, 7), [3, 3], [2, 2], [1, 1], [2, 2], False),  # no batch dim
+    ],
+)
+def test_max_pool2d_with_indices_and_backward(shape, k, s, p, d, ceil):
+    x = torch.randint(-3, 3, shape).float()  # many ties: first max must win
+    x.view(-1)[5] = float("-inf")
+    x.view(-1)[[17, 18, 26]] = float("nan")  # NaN wins; among NaNs the last one
+
+    def fn(x):
+        out, idx = aten.max_pool2d_with_indices.default(x, k, s, p, d, ceil)
+        gi = aten.max_pool2d_with_indices_backward.default(out * 2 + 1, x, k, s, p, d, ceil, idx)
+        return out, idx, gi
+
+    check(fn, x, ops=["max_pool2d_with_indices.default", "max_pool2d_with_indices_backward.default"])
+
+
+@pytest.mark.parametrize(
+    "k,s,p,ceil,cip,div",
+    [([2, 2], [2, 2], [0, 0], False, True, None), ([3, 3], [2, 2], [1, 1], True, False, None),
+     ([3, 2], [1, 2], [1, 1], False, True, None), ([2, 2], [2, 2], [1, 0], True, True, 3)],
+)
+def test_avg_pool2d_backward(k, s, p, ceil, cip, div):
+    x = rnd(2, 3, 7, 6)
+    out = aten.avg_pool2d.default(x, k, s, p, ceil, cip, div)
+    g = torch.randn_like(out)
+    check(
+        lambda g, x: (
+            aten.avg_pool2d.default(x, k, s, p, ceil, cip, div),
+            aten.avg_pool2d_backward.default(g, x, k, s, p, ceil, cip, div),
+        ),
+        g, x, ops=["avg_pool2d.default", "avg_pool2d_backward.default"],
+    )
+
+
+def test_softmax_backwards():
+    x = rnd(4, 5)
+    check(
+        lambda g, x: (
+            aten._log_softmax_backward_data.default(g, aten._log_softmax.default(x, 1, False), 1, torch.float32),
+            aten._softmax_backward_data.default(g, aten._softmax.default(x, 0, False), 0, torch.float32),
+            aten._log_softmax.default(x, 0, False),
+        ),
+        rnd(4, 5), x,
+        ops=["_log_softmax_backward_data.default", "_softmax_backward_data.default", "_log_softmax.default"],
+    )
+
+
+@pytest.mark.parametrize("reduction", [0, 1, 2])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_nll_loss(reduction, weighted):
+    x = torch.log_softmax(rnd(6, 4), 1)
+    y = torch.tensor([0, 3, 1, -100, 2, 3])
+    w = torch.rand(4) if weighted else None
+
+    def fn(x, y, w):
+        out, total = aten.nll_loss_forward.default(x, y, w, reduction, -100)
+        g = torch.ones_like(out) * 0.5 if reduction else x[:, 1] * 3.0  # any per-sample grad
+        gi = aten.nll_loss_backward.default(g, x, y, w, reduction, -100, total)
+        return out, total, gi
+
+    check(fn, x, y, w, ops=["nll_loss_forward.default", "nll_loss_backward.default"])
+
+
+def test_nll_loss_1d_and_ignore_index():
+    x = torch.log_softmax(rnd(5), 0)
+    check(lambda x, y: aten.nll_loss_forward.default(x, y, None, 1, 2)[0], x, torch.tensor(3),
+          ops=["nll_loss_forward.default"])
+
+
+def test_native_dropout_backward():
+    mask = torch.rand(4, 5) > 0.5
+    check(lambda g, m: aten.native_dropout_backward.default(g, m, 2.0), rnd(4, 5), mask,
+          ops=["native_dropout_backward.default"])
+
+
+# ---- group 2 -------------------------------------------------------------------------------
+def test_scatters():
+    check(
+        lambda x, a, b, c, d: (
+            aten.select_scatter.default(x, a, 1, -2),
+            aten.diagonal_scatter.default(x, b, 1, 0, 2),
+            aten.diagonal_scatter.default(x, c, -1, 1, 2),
+            aten.slice_scatter.default(x, d, 2, -3, None, 2),
+        ),
+        rnd(3, 4, 5), rnd(3, 5), rnd(4, 3), rnd(3, 3), rnd(3, 4, 2),
+        ops=["select_scatter.default", "diagonal_scatter.default", "slice_scatter.default"],
+    )
+
+
+def test_scatter_add_amax_zero_new_empty():
+    idx = torch.tensor([[0, 1, 2, 0], [1, 1, 0, 2]])
+
+    def fn(x, s, i):
+        e = aten.new_empty.default(x, [2, 3])
+        return (
+            aten.scatter_add.default(x, 1, i, s),
+            aten.amax.default(x, [1], True),
+            aten.amax.default(x, [], False),
+            aten.zero.default(x),
+            torch.tensor(e.shape), torch.tensor([], dtype=e.dtype),  # new_empty: only shape/dtype
+        )
+
+    check(fn, rnd(2, 3), rnd(2, 5), idx,
+          ops=["scatter_add.default", "amax.default", "zero.default", "new_empty.default"])
+
+
+def test_new_empty_compiles():
+    x = rnd(2, 3).to("lazy")
+    metrics.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        e = aten.new_empty.default(x, [4, 1])
+        lm.mark_step()  # the pending new_empty is compiled and run here
+    assert (e.shape, e.dtype) == (torch.Size([4, 1]), torch.float32)
+    assert e.cpu().shape == (4, 1)
+    assert not [n for n in metrics.counter_names() if n.startswith("aten::")]
+
+
+def test_mse_loss():
+    for r in (0, 1, 2):
+        x, t = rnd(3, 4), rnd(3, 4)
+        g = torch.rand(3, 4) if r == 0 else torch.tensor(0.7)
+        check(lambda x, t, g: (aten.mse_loss.default(x, t, r), aten.mse_loss_backward.default(g, x, t, r)),
+              x, t, g, ops=["mse_loss.default", "mse_loss_backward.default"])
+
+
+def test_layer_norm_forward_backward():
+    x, w, b = rnd(2, 3, 4), rnd(3, 4), rnd(3, 4)
+
+    def fn(x, w, b):
+        out, mean, rstd = aten.native_layer_norm.default(x, [3, 4], w, b, 1e-5)
+        grads = aten.native_layer_norm_backward.default(out * 3, x, [3, 4], mean, rstd, w, b, [True, True, True])
+        return (out, mean, rstd) + tuple(grads)
+
+    check(fn, x, w, b, ops=["native_layer_norm.default", "native_layer_norm_backward.default"])
+
+
+def test_embedding_dense_backward():
+    idx = torch.tensor([[1, 3, 1], [0, 3, 4]])
+    g = rnd(2, 3, 4)
+    check(
+        lambda g, i: (
+            aten.embedding_dense_backward.default(g, i, 6, -1, False),
+            aten.embedding_dense_backward.default(g, i, 6, 3, True),
+        ),
+        g, idx, ops=["embedding_dense_backward.default"],
+    )
+
+
+def test_adaptive_avg_pool2d_backward():
+    x = rnd(2, 3, 7, 5)
+    g = rnd(2, 3, 3, 2)
+    check(lambda g, x: aten._adaptive_avg_pool2d_backward.default(g, x), g, x,
+          ops=["_adaptive_avg_pool2d_backward.default"])
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_batch_norm(training):
+    x, w, b = rnd(4, 3, 2, 2), rnd(3), rnd(3)
+    rm, rv = rnd(3), torch.rand(3) + 0.5
+
+    def fn(x, w, b, rm, rv):
+        out, sm, si = aten.native_batch_norm.default(x, w, b, rm.clone(), rv.clone(), training, 0.1, 1e-5)
+        grads = aten.native_batch_norm_backward.default(
+            out * 2, x, w, rm, rv, sm, si, training, 1e-5, [True, True, True]
+        )
+        return (out, sm, si) + tuple(grads) if training else (out,) + tuple(grads)
+
+    check(fn, x, w, b, rm, rv, ops=["native_batch_norm.default", "native_batch_norm_backward.default"])
+
+
+# ---- end to end --------------------------------------------------------------------------------
+class TinyCNN(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(1, 4, 3, padding=1)
+        self.conv2 = torch.nn.Conv2d(4, 6, 3, stride=2, padding=1, groups=2)
+        self.fc = torch.nn.Linear(6 * 2 * 2, 5)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
+        x = F.relu(self.conv2(x))
+        return F.log_softmax(self.fc(x.flatten(1)), 1)
+
+
+def test_tiny_cnn_end_to_end():
+    model = TinyCNN()
+    lazy_model = TinyCNN()
+    lazy_model.load_state_dict(model.state_dict())
+    lazy_model = lazy_model.to("lazy")
+    x, y = rnd(2, 1, 8, 8), torch.tensor([1, 4])
+
+    loss = F.nll_loss(model(x), y)
+    loss.backward()
+
+    metrics.reset()
+    lazy_loss = F.nll_loss(lazy_model(x.to("lazy")), y.to("lazy"))
+    lazy_loss.backward()
+    lm.mark_step()
+    torch.testing.assert_close(lazy_loss.cpu(), loss, rtol=1e-4, atol=1e-5)
+    for (name, p), lp in zip(model.named_parameters(), lazy_model.parameters()):
+        torch.testing.assert_close(lp.grad.cpu(), p.grad, rtol=1e-4, atol=1e-5, msg=name)
+    eager = [n for n in metrics.counter_names() if n.startswith("aten::")]
+    # conv1's input needs no grad, so its convolution_backward has a None output, which
+    # ratex's shape inference (ratex/core/shape.py) cannot record yet: it runs eagerly.
+    assert set(eager) <= {"aten::convolution_backward.default"}, eager
+    assert metrics.counter_value("ratex::convolution_backward.default") > 0
