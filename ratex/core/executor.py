@@ -1,7 +1,15 @@
 """Compiled programs: lower a cut to Relax, compile it, run it on device data."""
+import hashlib
+import os
+import time
+import warnings
+
+import tvm
 from tvm import relax
 
 import tvm_lowering
+from tvm_lowering import disk_cache
+from .. import config
 from . import metrics
 from .device import backend
 from .graph import Graph, to_fx
@@ -10,12 +18,14 @@ from .graph import Graph, to_fx
 class Program:
     """One compiled graph: a Relax VM function taking leaves, returning roots."""
 
-    __slots__ = ("fn", "vm", "mod")
+    __slots__ = ("fn", "vm", "mod", "executable")
 
     def __init__(self, executable, mod, device):
+        """`executable`: a VMExecutable, or a runtime module loaded from the disk cache (mod None)."""
         self.vm = relax.VirtualMachine(executable, device)
         self.fn = self.vm["main"]
         self.mod = mod
+        self.executable = executable
 
     def run(self, inputs: list) -> list:
         """Run on device data `inputs`; return device data, one per root."""
@@ -31,5 +41,105 @@ def compile_graph(graph: Graph) -> Program:
         mod = tvm_lowering.import_graph(to_fx(graph))
     with metrics.timed("CompileTime"):
         executable = tvm_lowering.build(mod, be.target)
+    if config.SAVE_IR:
+        _save_ir(graph, mod)
     return Program(executable, mod, be.target.device())
+
+
+def graph_hash(graph: Graph) -> str:
+    """Return a short hash of the graph key, the same in every process where possible."""
+    try:
+        text = disk_cache.stable_text(graph.key)
+    except disk_cache.UnstableKey:
+        text = repr(graph.key)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _save_ir(graph: Graph, mod):
+    from ..debug import format_graph  # noqa: PLC0415  (debug imports the core)
+
+    text = (
+        f"==== graph {graph_hash(graph)}  compiled {time.strftime('%Y-%m-%d %H:%M:%S')}"
+        f"  ({len(graph.nodes)} ops, {len(graph.leaves)} inputs, {len(graph.roots)} outputs)\n"
+        f"-- lazy IR\n{format_graph(graph)}\n-- Relax\n{mod.script()}\n"
+    )
+    with open(config.SAVE_IR, "a", encoding="utf-8") as f:
+        f.write(text)
+
+
+# ---- persistent cache (RATEX_CACHE_DIR) --------------------------------------------
+_disk = {}  # (dir, size limit) -> DiskCache
+_last_name = (None, None)  # (graph key, entry name): a miss looks the name up twice
+
+
+def _disk_cache():
+    root = config.CACHE_DIR
+    if not root:
+        return None
+    limit = config.CACHE_SIZE_MB << 20
+    cache = _disk.get((root, limit))
+    if cache is None:
+        import ratex  # noqa: PLC0415  (for its version; loaded by now)
+
+        here = os.path.dirname(os.path.abspath(__file__))
+        code = disk_cache.code_fingerprint([
+            os.path.dirname(os.path.abspath(tvm_lowering.__file__)),
+            os.path.join(here, "graph.py"),
+            os.path.join(here, "ir.py"),
+            os.path.join(os.path.dirname(here), "jit.py"),
+        ])
+        be = backend()
+        salt = "|".join([
+            f"tvm={tvm.__version__}", f"target={be.target.key}", f"ratex={ratex.__version__}",
+            f"code={code}", f"aliasing={config.PARAM_ALIASING}",
+        ])
+        cache = _disk[(root, limit)] = disk_cache.DiskCache(root, limit, salt)
+    return cache
+
+
+def _entry_name(cache, graph: Graph):
+    global _last_name
+    if _last_name[0] is graph.key:
+        return _last_name[1]
+    name = cache.name(graph.key)
+    _last_name = (graph.key, name)
+    return name
+
+
+def load_program(graph: Graph):
+    """Return the program of `graph` from the persistent cache, or None."""
+    cache = _disk_cache()
+    if cache is None:
+        return None
+    name = _entry_name(cache, graph)
+    if name is None:
+        return None
+    with metrics.timed("PersistentCacheLoadTime"):
+        lib = cache.load(name)
+        if lib is None:
+            return None
+        program = Program(lib, None, backend().target.device())
+    metrics.counter_inc("PersistentCacheHit")
+    return program
+
+
+def store_program(graph: Graph, program: Program):
+    """Save a freshly compiled program in the persistent cache (if enabled and the key is stable)."""
+    cache = _disk_cache()
+    if cache is None:
+        return
+    name = _entry_name(cache, graph)
+    if name is None:
+        return
+    cache.check_dir()  # an unsafe directory is an error, not a warning
+    with metrics.timed("PersistentCacheStoreTime"):
+        try:
+            cache.store(name, program.executable, {"ops": len(graph.nodes), "salt": cache.salt})
+        except Exception as err:  # noqa: BLE001 - a full disk must not fail the step
+            if cache.root not in _store_warned:
+                _store_warned.add(cache.root)
+                warnings.warn(f"ratex compile cache: could not save to {cache.root}: {err}", stacklevel=3)
+
+
+_store_warned = set()
 

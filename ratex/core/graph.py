@@ -66,6 +66,8 @@ def cut(roots: list) -> Graph:
 
 
 def _meta_tensor(meta):
+    if meta is None:
+        return None
     return torch.empty(meta.shape, dtype=meta.dtype, device="meta")
 
 

@@ -5,6 +5,9 @@ import time
 
 _counters = collections.Counter()
 _timers = collections.defaultdict(list)
+# Callables fn(name, start, end) (time.perf_counter() seconds) told about each timed block
+# and span; the profiler listens here. Empty unless profiling, so timing costs nothing more.
+_listeners = []
 
 
 def counter_inc(name: str, n: int = 1):
@@ -29,12 +32,41 @@ def add_sample(name: str, seconds: float):
 
 @contextlib.contextmanager
 def timed(name: str):
-    """Time the block into metric `name`."""
+    """Time the block into metric `name` (and tell listeners)."""
     start = time.perf_counter()
     try:
         yield
     finally:
-        add_sample(name, time.perf_counter() - start)
+        end = time.perf_counter()
+        _timers[name].append(end - start)
+        for fn in tuple(_listeners):
+            fn(name, start, end)
+
+
+@contextlib.contextmanager
+def span(name: str):
+    """Tell listeners how long the block took, without keeping a metric (e.g. 'Sync')."""
+    if not _listeners:
+        yield
+        return
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        end = time.perf_counter()
+        for fn in list(_listeners):
+            fn(name, start, end)
+
+
+def add_listener(fn):
+    """Call fn(name, start, end) at the end of every timed block and span."""
+    _listeners.append(fn)
+
+
+def remove_listener(fn):
+    """Stop calling `fn` (no error if it was not listening)."""
+    if fn in _listeners:
+        _listeners.remove(fn)
 
 
 def metric_names():

@@ -96,7 +96,8 @@ def _collect(func, args, kwargs):
 
 def _wrap(node, out, view_of=None):
     outs = [
-        tensor.LazyTensor.from_value((node, i), out.strides[i], out.offsets[i]) for i in range(len(out.metas))
+        None if m is None else tensor.LazyTensor.from_value((node, i), out.strides[i], out.offsets[i])
+        for i, m in enumerate(out.metas)
     ]
     if out.kind == "tensor":
         return outs[0]
@@ -325,17 +326,24 @@ def _functional_of(func):
     name = func._schema.name.split("::")[1]
     overload = func._overloadname
     if name.endswith("_"):
-        packet = getattr(aten, name[:-1], None)
-        return getattr(packet, overload, None) if packet is not None else None
+        name = name[:-1]
+        packet = getattr(aten, name, None)
+        found = getattr(packet, overload, None) if packet is not None else None
+        if found is not None:
+            return found
+        want = [(a.name, str(a.type)) for a in func._schema.arguments[1:]]
+        pick = slice(1, None)  # transpose_.default vs transpose.int: match on the other arguments
+    else:
+        want = [(a.name, str(a.type)) for a in func._schema.arguments if not (a.alias_info and a.alias_info.is_write)]
+        pick = slice(None)
     packet = getattr(aten, name, None)
     if packet is None:
         return None
-    want = [(a.name, str(a.type)) for a in func._schema.arguments if not (a.alias_info and a.alias_info.is_write)]
     for ov in packet.overloads():
         cand = getattr(packet, ov)
         if cand is func or cand._schema.is_mutable:
             continue
-        if [(a.name, str(a.type)) for a in cand._schema.arguments] == want:
+        if [(a.name, str(a.type)) for a in cand._schema.arguments[pick]] == want:
             return cand
     return None
 
@@ -349,6 +357,9 @@ def _mutating(func, args, kwargs):
     target = args[key] if kind == "pos" else kwargs[key]
     if not isinstance(target, tensor.LazyTensor):
         return eager(func, args, kwargs)
+    if fop.is_view:  # t_, transpose_, unsqueeze_, ...: the tensor becomes a new view of its storage
+        target._assume(dispatch(fop, args, kwargs))
+        return target
     spec, _, metas = _collect(func, args, kwargs)
     try:
         shape.infer(func, spec, metas)  # PyTorch's own checks for the in-place form
@@ -448,7 +459,11 @@ def eager(func, args, kwargs):
         cpu = cpu_args[key] if kind == "pos" else cpu_kwargs.get(key)
         for c in cpu if isinstance(cpu, (list, tuple)) else [cpu]:
             if isinstance(c, torch.Tensor) and id(c) in copies:
-                copies[id(c)]._write(tensor.LazyTensor.from_cpu(c, adopt=True)._value())
+                lazy, new = copies[id(c)], tensor.LazyTensor.from_cpu(c)
+                if tuple(new.shape) == tuple(lazy.shape) and new.dtype == lazy.dtype:
+                    lazy._write(new._value())
+                else:  # the op changed the tensor's metadata (resize_, set_, ...)
+                    lazy._assume(new)
 
     def back(o):
         if isinstance(o, torch.Tensor):
@@ -464,3 +479,20 @@ def _map(fn, x):
         return type(x)(_map(fn, y) for y in x)
     return fn(x)
 
+
+
+@handles(aten.native_batch_norm.default)
+def _native_batch_norm(func, args, kwargs):
+    """native_batch_norm updates running stats in place without saying so in its schema."""
+    names = ("input", "weight", "bias", "running_mean", "running_var", "training", "momentum", "eps")
+    a = dict(zip(names, args), **kwargs)
+    out = _functional(func, args, kwargs)
+    rm, rv = a["running_mean"], a["running_var"]
+    if a["training"] and rm is not None and rv is not None:
+        x, momentum = a["input"], a["momentum"]
+        dims = [0] + list(range(2, x.dim()))
+        mean = aten.mean.dim(x, dims)
+        var = aten.var.correction(x, dims, correction=1)
+        _assign(rm, aten.add.Tensor(aten.mul.Tensor(rm, 1 - momentum), aten.mul.Tensor(mean, momentum)))
+        _assign(rv, aten.add.Tensor(aten.mul.Tensor(rv, 1 - momentum), aten.mul.Tensor(var, momentum)))
+    return out

@@ -51,16 +51,17 @@ def _run(op, spec, in_metas):
         return exc
     if isinstance(out, torch.Tensor):
         return _pack([out], "tensor")
-    if isinstance(out, (tuple, list)) and out and all(isinstance(o, torch.Tensor) for o in out):
+    if isinstance(out, (tuple, list)) and out and all(o is None or isinstance(o, torch.Tensor) for o in out):
         return _pack(list(out), "tuple" if isinstance(out, tuple) else "list")
     return NoMeta(f"{op} returns {type(out).__name__}, not tensors")
 
 
 def _pack(outs, kind):
+    """None outputs (e.g. masked-off gradients of convolution_backward) keep a None meta."""
     return Out(
-        tuple(Meta(tuple(o.shape), o.dtype) for o in outs),
-        tuple(tuple(o.stride()) for o in outs),
-        tuple(o.storage_offset() for o in outs),
+        tuple(None if o is None else Meta(tuple(o.shape), o.dtype) for o in outs),
+        tuple(None if o is None else tuple(o.stride()) for o in outs),
+        tuple(None if o is None else o.storage_offset() for o in outs),
         kind,
     )
 

@@ -5,7 +5,7 @@ import weakref
 import tvm_lowering
 from . import metrics
 from .device import backend
-from .executor import compile_graph
+from .executor import compile_graph, load_program, store_program
 from .graph import cut
 from .ir import Node, fill, op_name
 
@@ -21,15 +21,32 @@ def track(storage):
     _pending[id(storage)] = storage
 
 
+_depth = 0  # execute() nests (eager fallbacks); only the outermost call is a "Sync" span
+
+
 def execute(values: list):
     """Compute every value in `values` (pairs (node, index)) and keep the results on the nodes."""
+    global _depth
+    if _depth:
+        return _execute(values)
+    _depth += 1
+    try:
+        with metrics.span("Sync"):
+            return _execute(values)
+    finally:
+        _depth -= 1
+
+
+def _execute(values: list):
     while True:
         roots = list(dict.fromkeys(v for v in values if v[0].results[v[1]] is None))
         if not roots:
             return
         graph = cut(roots)
         program = _cache.get(graph.key)
-        if program is None:
+        if program is None and (program := load_program(graph)) is not None:
+            _cache.put(graph.key, program)  # from the persistent cache (RATEX_CACHE_DIR)
+        elif program is None:
             stuck = [n for n in graph.nodes if n.key in unlowerable or not tvm_lowering.has_rule(op_name(n.op))]
             if stuck:  # e.g. a view op without a rule: compute it eagerly, then cut again
                 for node in stuck:
@@ -57,6 +74,7 @@ def execute(values: list):
                 continue
             metrics.counter_inc("UncachedCompile")
             _cache.put(graph.key, program)
+            store_program(graph, program)
         else:
             metrics.counter_inc("CachedCompile")
         inputs = [node.results[idx] for node, idx in graph.leaves]
@@ -87,17 +105,33 @@ def run_eagerly(node: Node):
     outs = list(out) if node.multi else [out]
     metrics.counter_inc(f"aten::{op_name(node.op)}")
     for i, o in enumerate(outs):
-        node.set_result(i, be.upload(o))  # a copy: eager outputs may alias inputs
+        if o is not None:
+            node.set_result(i, be.upload(o))  # a copy: eager outputs may alias inputs
+
+
+_step_closures = []
+
+
+def add_step_closure(fn, args=()):
+    """Run fn(*args) once, after the next mark_step's execution is done."""
+    _step_closures.append((fn, tuple(args)))
 
 
 def mark_step():
     """Compute every live pending tensor in one program and make the results their data."""
     metrics.counter_inc("MarkStep")
-    storages = list(_pending.values())
-    _pending.clear()
-    execute([st.value for st in storages])
-    for st in storages:
-        st.rebind()
+    with metrics.span("MarkStep"):
+        storages = list(_pending.values())
+        _pending.clear()
+        execute([st.value for st in storages])
+        for st in storages:
+            st.rebind()
+    if _step_closures:
+        wait_device_ops()
+        closures = _step_closures[:]
+        _step_closures.clear()
+        for fn, args in closures:
+            fn(*args)
 
 
 def wait_device_ops():

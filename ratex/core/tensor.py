@@ -127,6 +127,23 @@ class LazyTensor(torch.Tensor):
         self._st.write(new)
         self._cache = (self._st.version, value)
 
+    def _assume(self, other: "LazyTensor"):
+        """Become `other` (shape, strides and aliasing) in place: `p.data = t`, `x.t_()`."""
+        _set_data(self, other)  # updates the C++ metadata (sizes, strides, dtype)
+        self._st, self._chain, self._cache = other._st, other._chain, other._cache
+
+    @property
+    def data(self):
+        return _get_data(self)
+
+    @data.setter
+    def data(self, new):
+        if not isinstance(new, LazyTensor):
+            raise RuntimeError(
+                f"cannot assign a {new.device} tensor to .data of a lazy:0 tensor; move it with .to('lazy') first"
+            )
+        self._assume(new)
+
     # ---- user-facing conveniences ---------------------------------------
     def __repr__(self, *, tensor_contents=None):
         text = repr(self._to_cpu())
@@ -164,6 +181,10 @@ class LazyTensor(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         return ops.dispatch(func, args, kwargs or {})
+
+
+_get_data = torch._C.TensorBase.data.__get__
+_set_data = torch._C.TensorBase.data.__set__
 
 
 def _rebuild_lazy(cpu, requires_grad):
