@@ -14,7 +14,7 @@ import functools
 import torch
 
 import tvm_lowering
-from . import metrics, shape, sync, tensor
+from . import metrics, random, shape, sync, tensor
 from .ir import Node, fill, op_name, template
 
 aten = torch.ops.aten
@@ -496,3 +496,13 @@ def _native_batch_norm(func, args, kwargs):
         _assign(rm, aten.add.Tensor(aten.mul.Tensor(rm, 1 - momentum), aten.mul.Tensor(mean, momentum)))
         _assign(rv, aten.add.Tensor(aten.mul.Tensor(rv, 1 - momentum), aten.mul.Tensor(var, momentum)))
     return out
+
+
+@handles(aten.native_dropout.default)
+def _native_dropout(func, args, kwargs):
+    x, p, train = args[0], args[1], args[2] if len(args) > 2 else kwargs.get("train")
+    if not train or p == 0 or p >= 1 or not x.dtype.is_floating_point:
+        return _functional(func, args, kwargs)
+    seed = tensor.LazyTensor.from_cpu(random.new_seed(), adopt=True)
+    out, mask = torch.ops.ratex.seeded_dropout.default(x, seed, float(p))
+    return out, mask
