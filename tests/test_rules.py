@@ -7,6 +7,8 @@ import warnings
 
 import pytest
 import torch
+
+from ratex.core import executor, sync
 import torch.nn.functional as F
 
 import ratex  # noqa: F401
@@ -387,3 +389,12 @@ def test_tiny_cnn_end_to_end():
     # ratex's shape inference (ratex/core/shape.py) cannot record yet: it runs eagerly.
     assert set(eager) <= {"aten::convolution_backward.default"}, eager
     assert metrics.counter_value("ratex::convolution_backward.default") > 0
+
+
+@pytest.fixture(autouse=True)
+def _tvm_kernels(monkeypatch):
+    """Exercise the TVM rules themselves, not the kernel library that CPU uses by default."""
+    monkeypatch.setattr(executor, "use_library", lambda kind: False)
+    sync.reset_cache()  # programs compiled with the library must not be reused here, nor these elsewhere
+    yield
+    sync.reset_cache()

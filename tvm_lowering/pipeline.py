@@ -41,6 +41,8 @@ def _host_cpu() -> str:
 
 def build(mod: tvm.IRModule, target: Target):
     """Compile `mod` with fusion (FuseOps/FuseTIR) for `target`; return a tvm executable."""
-    pipeline = relax.get_default_pipeline(target.tvm)
+    # CSE removes the forward that a script's backward recomputes; DCE what nothing reads.
+    cleanup = [relax.transform.EliminateCommonSubexpr(), relax.transform.DeadCodeElimination()]
+    pipeline = tvm.transform.Sequential(cleanup + [relax.get_default_pipeline(target.tvm)])
     with target.tvm:
         return tvm.compile(mod, target=target.tvm, relax_pipeline=pipeline)

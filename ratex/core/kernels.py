@@ -1,0 +1,72 @@
+"""The `ratex.lib.*` kernel library: PyTorch's own CPU kernels, called from compiled programs.
+
+tvm_lowering/ops/library.py emits `call_pure_packed("ratex.lib.<op>", ...)`
+for matmul and convolution; these functions receive TVM tensors, view them as
+torch tensors through DLPack (no copies), run ATen's kernel and hand the result
+back the same way. Transposed operands arrive untransposed with a flag and are
+passed as strided views.
+"""
+import functools
+import json
+
+import torch
+import tvm
+
+aten = torch.ops.aten
+
+
+@functools.lru_cache(maxsize=None)
+def _attrs(text: str) -> dict:
+    return json.loads(str(text))
+
+
+def _t(x, transposed):
+    t = torch.from_dlpack(x)
+    return t.t() if transposed else t
+
+
+def _out(t):
+    return tvm.runtime.from_dlpack(t.contiguous())
+
+
+def _mm(a, b, attrs):
+    cfg = _attrs(attrs)
+    return _out(torch.mm(_t(a, cfg["ta"]), _t(b, cfg["tb"])))
+
+
+def _addmm(bias, a, b, attrs):
+    cfg = _attrs(attrs)
+    out = torch.addmm(torch.from_dlpack(bias), _t(a, cfg["ta"]), _t(b, cfg["tb"]), beta=cfg["beta"], alpha=cfg["alpha"])
+    return _out(out)
+
+
+def _bmm(a, b, attrs):
+    return _out(torch.bmm(torch.from_dlpack(a), torch.from_dlpack(b)))
+
+
+def _convolution(*args):
+    cfg = _attrs(args[-1])
+    x, w = torch.from_dlpack(args[0]), torch.from_dlpack(args[1])
+    b = torch.from_dlpack(args[2]) if cfg["bias"] else None
+    out = aten.convolution.default(
+        x, w, b, cfg["stride"], cfg["padding"], cfg["dilation"], cfg["transposed"], cfg["output_padding"], cfg["groups"]
+    )
+    return _out(out)
+
+
+_PLACEHOLDER = torch.zeros(1)
+
+
+def _convolution_backward(g, x, w, attrs):
+    cfg = _attrs(attrs)
+    outs = aten.convolution_backward.default(
+        torch.from_dlpack(g), torch.from_dlpack(x), torch.from_dlpack(w), cfg["bias_sizes"], cfg["stride"],
+        cfg["padding"], cfg["dilation"], cfg["transposed"], cfg["output_padding"], cfg["groups"], cfg["output_mask"],
+    )
+    return [_out(o if o is not None else _PLACEHOLDER) for o in outs]
+
+
+for _name, _fn in {
+    "mm": _mm, "addmm": _addmm, "bmm": _bmm, "convolution": _convolution, "convolution_backward": _convolution_backward,
+}.items():
+    tvm.register_global_func(f"ratex.lib.{_name}", _fn, override=True)

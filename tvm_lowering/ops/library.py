@@ -1,0 +1,100 @@
+"""Library dispatch: heavy ops (matmul, conv and its gradients) as calls to a kernel library.
+
+TVM's untuned LLVM code for these is 10-100x slower than vendor kernels on
+CPU. With `importer.library` set (see `tvm_lowering.kernels`), these rules emit
+`call_pure_packed("ratex.lib.<op>", ...)` instead; the packed functions are
+provided by the runtime side (ratex/core/kernels.py calls PyTorch's own kernels
+through zero-copy DLPack). Transposes feeding a matmul are folded into the call
+as flags, so no transposed copy is made. Without the flag, each rule defers to
+the rule it overrides.
+"""
+import json
+
+import tvm
+from tvm import relax
+
+from . import RULES, rule
+from .nn import arg, out_meta
+
+aten_t = "t.default"
+
+
+def _prev(name):
+    """The rule this module overrides: an earlier ratex rule, else TVM's own."""
+    earlier = RULES.get(name)
+    return lambda imp, node: earlier(imp, node) if earlier is not None else imp.tvm_rules[name](node)
+
+
+def _tensor_type(meta):
+    shape, dtype = meta
+    return relax.TensorType(shape, dtype)
+
+
+def _operand(imp, x):
+    """Relax value of matmul operand `x` and whether it is a folded transpose."""
+    if x.op == "call_function" and x.target.__name__ == aten_t and len(x.args[0].meta["val"].shape) == 2:
+        return imp.env[x.args[0]], True
+    return imp.env[x], False
+
+
+def _call(imp, name, args, attrs, ty):
+    fn = relax.op.call_pure_packed(f"ratex.lib.{name}", *args, tvm.ir.StringImm(json.dumps(attrs)), ty_args=ty)
+    return imp.block_builder.emit(fn)
+
+
+def _library_rule(name, build):
+    fallback = _prev(name)
+
+    def lower(imp, node):
+        if not getattr(imp, "library", False):
+            return fallback(imp, node)
+        return build(imp, node)
+
+    rule(name)(lower)
+
+
+def _mm(imp, node):
+    (a, ta), (b, tb) = _operand(imp, node.args[0]), _operand(imp, node.args[1])
+    return _call(imp, "mm", [a, b], {"ta": ta, "tb": tb}, _tensor_type(out_meta(node, None)))
+
+
+def _addmm(imp, node):
+    bias = imp.env[node.args[0]]
+    (a, ta), (b, tb) = _operand(imp, node.args[1]), _operand(imp, node.args[2])
+    attrs = {"ta": ta, "tb": tb, "beta": arg(node, 3, "beta", 1), "alpha": arg(node, 4, "alpha", 1)}
+    return _call(imp, "addmm", [bias, a, b], attrs, _tensor_type(out_meta(node, None)))
+
+
+def _bmm(imp, node):
+    a, b = imp.env[node.args[0]], imp.env[node.args[1]]
+    return _call(imp, "bmm", [a, b], {}, _tensor_type(out_meta(node, None)))
+
+
+def _conv_attrs(node, first):
+    names = ("stride", "padding", "dilation", "transposed", "output_padding", "groups")
+    return {n: arg(node, first + i, n) for i, n in enumerate(names)}
+
+
+def _convolution(imp, node):
+    x, w, b = node.args[0], node.args[1], node.args[2]
+    attrs = _conv_attrs(node, 3)
+    attrs["bias"] = b is not None
+    args = [imp.env[x], imp.env[w]] + ([imp.env[b]] if b is not None else [])
+    return _call(imp, "convolution", args, attrs, _tensor_type(out_meta(node, None)))
+
+
+def _convolution_backward(imp, node):
+    g, x, w = (imp.env[a] for a in node.args[:3])
+    attrs = _conv_attrs(node, 4)
+    attrs["bias_sizes"] = arg(node, 3, "bias_sizes")
+    attrs["output_mask"] = list(arg(node, 10, "output_mask"))
+    metas = [out_meta(node, i) for i in range(3)]
+    types = [_tensor_type(m) if m is not None else relax.TensorType([1], "float32") for m in metas]
+    return _call(imp, "convolution_backward", [g, x, w], attrs, relax.TupleType(types))
+
+
+_library_rule("mm.default", _mm)
+_library_rule("addmm.default", _addmm)
+_library_rule("bmm.default", _bmm)
+_library_rule("convolution.default", _convolution)
+_library_rule("convolution_backward.default", _convolution_backward)
