@@ -25,7 +25,37 @@ def _flag(name: str, default: bool) -> bool:
     raise ValueError(f"{name}={raw!r} is not valid; use true or false")
 
 
+def _cache_dir():
+    raw = os.environ.get("RATEX_CACHE_DIR")
+    if raw is None:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        return os.path.join(base, "ratex")
+    raw = raw.strip()
+    return os.path.abspath(os.path.expanduser(raw)) if raw else None  # "" disables the disk cache
+
+
+def _positive_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or not raw.strip():
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise ValueError(f"{name}={raw!r} is not valid; use a positive whole number")
+    return value
+
+
 DEVICE = _choice("RATEX_DEVICE", "CPU", ("CPU", "GPU"))
+# How heavy ops (matmul, conv) run: TVM-generated code, or the kernel library
+# (PyTorch's kernels called from the compiled program). auto = library on CPU.
+KERNELS = _choice("RATEX_KERNELS", "AUTO", ("AUTO", "TVM", "LIBRARY"))
+# TVM pins its worker threads to cores by default; next to torch's own pool
+# (library kernels run in-process) the two fight for the cores.
+os.environ.setdefault("TVM_BIND_THREADS", "0")
 PARAM_ALIASING = _flag("ENABLE_PARAM_ALIASING", False)
 PROFILE = _flag("RATEX_PROFILE", False)
 SAVE_IR = os.environ.get("RATEX_SAVE_IR") or None
+CACHE_DIR = _cache_dir()  # None: no persistent compile cache
+CACHE_SIZE_MB = _positive_int("RATEX_CACHE_SIZE_MB", 1024)

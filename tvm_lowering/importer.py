@@ -28,8 +28,11 @@ class LoweringError(RuntimeError):
 class Importer(ExportedProgramImporter):
     """TVM's ATen importer with ratex's rules layered on top."""
 
+    library = False  # dispatch heavy ops to the kernel library (see ops/library.py)
+
     def create_convert_map(self):
         table = super().create_convert_map()
+        self.tvm_rules = dict(table)
         for name, fn in RULES.items():
             if fn is None:
                 table.pop(name, None)
@@ -81,9 +84,14 @@ def _check(node: fx.Node, expr: relax.Expr):
             raise LoweringError(node, f"rule produced {g}, PyTorch says {w}")
 
 
-def import_graph(graph: fx.Graph, name: str = "main") -> "tvm.IRModule":  # noqa: F821
-    """Return an IRModule whose `name` function computes `graph`'s outputs as a tuple."""
+def import_graph(graph: fx.Graph, name: str = "main", library: bool = False) -> "tvm.IRModule":  # noqa: F821
+    """Return an IRModule whose `name` function computes `graph`'s outputs as a tuple.
+
+    With `library`, matmul and convolution become calls to the `ratex.lib.*`
+    kernel library instead of TVM-generated code.
+    """
     imp = Importer()
+    imp.library = library
     bb = relax.BlockBuilder()
     imp.block_builder = bb
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]

@@ -10,6 +10,7 @@ from tvm import relax
 import tvm_lowering
 from tvm_lowering import disk_cache
 from .. import config
+from . import kernels  # noqa: F401  (registers the ratex.lib.* kernel library)
 from . import metrics
 from .device import backend
 from .graph import Graph, to_fx
@@ -34,11 +35,18 @@ class Program:
         return [be.from_tvm(o) for o in outs]
 
 
+def use_library(kind: str) -> bool:
+    """Whether matmul/conv go to the kernel library (ratex/core/kernels.py) on this target."""
+    if kind != "CPU":
+        return False  # the library wraps torch's CPU kernels
+    return config.KERNELS in ("AUTO", "LIBRARY")
+
+
 def compile_graph(graph: Graph) -> Program:
     """Lower and compile `graph` for the configured target (raises LoweringError)."""
     be = backend()
     with metrics.timed("LowerTime"):
-        mod = tvm_lowering.import_graph(to_fx(graph))
+        mod = tvm_lowering.import_graph(to_fx(graph), library=use_library(be.target.kind))
     with metrics.timed("CompileTime"):
         executable = tvm_lowering.build(mod, be.target)
     if config.SAVE_IR:
@@ -86,12 +94,14 @@ def _disk_cache():
             os.path.dirname(os.path.abspath(tvm_lowering.__file__)),
             os.path.join(here, "graph.py"),
             os.path.join(here, "ir.py"),
+            os.path.join(here, "kernels.py"),
+            os.path.join(here, "executor.py"),
             os.path.join(os.path.dirname(here), "jit.py"),
         ])
         be = backend()
         salt = "|".join([
             f"tvm={tvm.__version__}", f"target={be.target.key}", f"ratex={ratex.__version__}",
-            f"code={code}", f"aliasing={config.PARAM_ALIASING}",
+            f"code={code}", f"aliasing={config.PARAM_ALIASING}", f"kernels={getattr(config, 'KERNELS', None)}",
         ])
         cache = _disk[(root, limit)] = disk_cache.DiskCache(root, limit, salt)
     return cache

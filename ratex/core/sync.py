@@ -65,7 +65,7 @@ def _execute(values: list):
             except Exception as err:  # noqa: BLE001 - a TVM pass failed on some node
                 if len(graph.nodes) > 1:  # find it: compile the nodes one at a time
                     for node in graph.nodes:
-                        execute([(node, i) for i in range(len(node.metas))])
+                        execute([(node, i) for i, m in enumerate(node.metas) if m is not None])
                     continue
                 node = graph.nodes[0]
                 unlowerable.add(node.key)

@@ -18,4 +18,5 @@ def rule(*names):
     return register
 
 
-from . import arith, backward, nn, random, script, views  # noqa: E402,F401  (registration side effects)
+from . import arith, backward, nn, random, script, views, library  # noqa: E402,F401  (registration side effects)
+# library must come last: its rules wrap the ones registered before it

@@ -1,0 +1,254 @@
+"""Reverse mode inside Relax: vector-Jacobian products of converted forwards.
+
+`relax.transform.Gradient` differentiates a function with a scalar result
+with respect to some of its parameters, using each op's `FPrimalGradient`
+attribute. A forward with tensor outputs `outs` and incoming gradients `g`
+is differentiated through the scalar `sum_i sum(outs[i] * g[i])`, whose
+gradient is exactly the vector-Jacobian product autograd asks for.
+
+TVM ships gradient rules for about 50 ops; the ones below fill the gaps
+that common models (LeNet, transformer blocks) reach. Each rule has the
+signature of TVM's own: `(orig_var, orig_call, output_grad, bb) -> [partials]`.
+"""
+import math
+
+import numpy as np
+
+import tvm
+from tvm import relax
+from tvm.relax.op import register_gradient
+from tvm.relax.op import _op_gradient  # noqa: F401  (TVM's rules, registered on import)
+
+op = relax.op
+
+
+def _shape(e):
+    return [int(s) for s in e.ty.shape]
+
+
+def _dtype(e):
+    return str(e.ty.dtype)
+
+
+def _const(v, like):
+    return relax.const(v, _dtype(like))
+
+
+def _fit(bb, grad, like):
+    """Sum a broadcast gradient back to the shape of `like`."""
+    if _shape(bb.normalize(grad)) != _shape(like):
+        return op.collapse_sum_to(grad, like.ty.shape)
+    return grad
+
+
+def _has_gradient(name):
+    return tvm.ir.Op.get(name).get_attr("FPrimalGradient") is not None
+
+
+def _register(name):
+    """Register a rule unless TVM already has one for `name`."""
+
+    def deco(fn):
+        if not _has_gradient(name):
+            register_gradient(name, fn)
+        return fn
+
+    return deco
+
+
+@_register("relax.flatten")
+def _flatten_grad(orig_var, orig_call, output_grad, bb):
+    return [op.reshape(output_grad, orig_call.args[0].ty.shape)]
+
+
+@_register("relax.squeeze")
+def _squeeze_grad(orig_var, orig_call, output_grad, bb):
+    return [op.reshape(output_grad, orig_call.args[0].ty.shape)]
+
+
+def _ints(expr):
+    fields = expr.fields if hasattr(expr, "fields") else expr.values
+    return [int(f.value) if hasattr(f, "value") else int(f) for f in fields]
+
+
+@_register("relax.strided_slice")
+def _strided_slice_grad(orig_var, orig_call, output_grad, bb):
+    """Put the gradient back where the slice came from: interleave zeros for steps, pad around."""
+    x = orig_call.args[0]
+    axes, begins = _ints(orig_call.args[1]), _ints(orig_call.args[2])
+    strides = _ints(orig_call.args[4]) if len(orig_call.args) > 4 else [1] * len(axes)
+    shape, out_shape = _shape(x), _shape(orig_var)
+    g = output_grad
+    for ax, b, step in zip(axes, begins, strides):
+        ax %= len(shape)
+        n, m = shape[ax], out_shape[ax]
+        if step < 1:
+            raise NotImplementedError("gradient of a slice with a negative step")
+        b = min(max(b + n if b < 0 else b, 0), n)
+        length = m
+        if step > 1 and m > 0:
+            g = op.expand_dims(g, ax + 1)
+            pad = [0] * (2 * (len(shape) + 1))
+            pad[2 * (ax + 1) + 1] = step - 1
+            g = op.nn.pad(g, pad)
+            cur = _shape(bb.normalize(g))
+            g = op.reshape(g, cur[:ax] + [m * step] + cur[ax + 2 :])
+            length = min(m * step, n - b)
+            g = op.strided_slice(g, [ax], [0], [length])
+        pad = [0] * (2 * len(shape))
+        pad[2 * ax], pad[2 * ax + 1] = b, n - b - length
+        g = op.nn.pad(g, pad)
+    return [g, op.grad.no_grad(orig_call.args[1]), op.grad.no_grad(orig_call.args[2]),
+            op.grad.no_grad(orig_call.args[3])] + ([op.grad.no_grad(orig_call.args[4])] if len(orig_call.args) > 4 else [])
+
+
+@_register("relax.nn.gelu")
+def _gelu_grad(orig_var, orig_call, output_grad, bb):
+    # d/dx x*Phi(x) = Phi(x) + x*phi(x)
+    x = orig_call.args[0]
+    cdf = op.multiply(_const(0.5, x), op.add(_const(1.0, x), op.erf(op.multiply(x, _const(1 / math.sqrt(2), x)))))
+    pdf = op.multiply(_const(1 / math.sqrt(2 * math.pi), x), op.exp(op.multiply(_const(-0.5, x), op.multiply(x, x))))
+    return [op.multiply(output_grad, op.add(cdf, op.multiply(x, pdf)))]
+
+
+@_register("relax.nn.gelu_tanh")
+def _gelu_tanh_grad(orig_var, orig_call, output_grad, bb):
+    x = orig_call.args[0]
+    k, c = math.sqrt(2 / math.pi), 0.044715
+    x3 = op.multiply(op.multiply(x, x), x)
+    t = op.tanh(op.multiply(_const(k, x), op.add(x, op.multiply(_const(c, x), x3))))
+    dt = op.multiply(
+        op.subtract(_const(1.0, x), op.multiply(t, t)),
+        op.multiply(_const(k, x), op.add(_const(1.0, x), op.multiply(_const(3 * c, x), op.multiply(x, x)))),
+    )
+    d = op.add(op.multiply(_const(0.5, x), op.add(_const(1.0, x), t)), op.multiply(op.multiply(_const(0.5, x), x), dt))
+    return [op.multiply(output_grad, d)]
+
+
+@_register("relax.erf")
+def _erf_grad(orig_var, orig_call, output_grad, bb):
+    x = orig_call.args[0]
+    d = op.multiply(_const(2 / math.sqrt(math.pi), x), op.exp(op.negative(op.multiply(x, x))))
+    return [op.multiply(output_grad, d)]
+
+
+@_register("relax.rsqrt")
+def _rsqrt_grad(orig_var, orig_call, output_grad, bb):
+    # d x^-1/2 = -1/2 x^-3/2 = -1/2 y^3
+    y = orig_var
+    return [op.multiply(output_grad, op.multiply(_const(-0.5, y), op.multiply(op.multiply(y, y), y)))]
+
+
+@_register("relax.square")
+def _square_grad(orig_var, orig_call, output_grad, bb):
+    x = orig_call.args[0]
+    return [op.multiply(output_grad, op.multiply(_const(2.0, x), x))]
+
+
+@_register("relax.nn.layer_norm")
+def _layer_norm_grad(orig_var, orig_call, output_grad, bb):
+    x, gamma, beta = orig_call.args[:3]
+    axes = [int(a) % len(_shape(x)) for a in orig_call.attrs.axes]
+    eps = float(orig_call.attrs.epsilon)
+    xc = bb.normalize(op.subtract(x, op.mean(x, axes, keepdims=True)))
+    rstd = bb.normalize(op.rsqrt(op.add(op.mean(op.multiply(xc, xc), axes, keepdims=True), _const(eps, x))))
+    xhat = bb.normalize(op.multiply(xc, rstd))
+    g = bb.normalize(op.multiply(output_grad, gamma))
+    # dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), means over the normalized axes
+    dx = op.multiply(
+        rstd,
+        op.subtract(
+            op.subtract(g, op.mean(g, axes, keepdims=True)),
+            op.multiply(xhat, op.mean(op.multiply(g, xhat), axes, keepdims=True)),
+        ),
+    )
+    lead = [i for i in range(len(_shape(x))) if i not in axes]
+    dgamma = op.multiply(output_grad, xhat)
+    dbeta = output_grad
+    if lead:
+        dgamma, dbeta = op.sum(dgamma, lead), op.sum(dbeta, lead)
+    return [dx, _fit(bb, dgamma, gamma), _fit(bb, dbeta, beta)]
+
+
+@_register("relax.nn.attention")
+def _attention_grad(orig_var, orig_call, output_grad, bb):
+    # attention(q, k, v) = softmax(q k^T * scale [+ causal mask]) v, in (batch, seq, head, dim) layout
+    q, k, v = orig_call.args[:3]
+    if len(orig_call.args) > 3 or orig_call.attrs.window_size is not None:
+        raise NotImplementedError("gradient of attention with a bias or a window")
+    sq, d = _shape(q)[1], _shape(q)[3]
+    sk = _shape(k)[1]
+    scale = orig_call.attrs.scale
+    scale = float(scale) if scale is not None else 1.0 / math.sqrt(d)
+    bhsd = [0, 2, 1, 3]
+
+    def t(x):
+        return op.permute_dims(x, [0, 1, 3, 2])
+
+    qt, kt, vt = (bb.normalize(op.permute_dims(x, bhsd)) for x in (q, k, v))
+    do = bb.normalize(op.permute_dims(output_grad, bhsd))
+    scores = op.multiply(op.matmul(qt, t(kt)), _const(scale, q))
+    causal = orig_call.attrs.causal_mask
+    if causal is not None:
+        offset = 0 if str(causal) == "TopLeft" else sk - sq
+        keep = np.tril(np.ones((sq, sk), dtype=bool), k=offset)
+        scores = op.where(relax.const(keep), scores, _const(float("-inf"), q))
+    p = bb.normalize(op.nn.softmax(scores, axis=-1))
+    dv = op.matmul(t(p), do)
+    dp = bb.normalize(op.matmul(do, t(vt)))
+    ds = bb.normalize(op.multiply(p, op.subtract(dp, op.sum(op.multiply(dp, p), axis=-1, keepdims=True))))
+    dq = op.multiply(op.matmul(ds, kt), _const(scale, q))
+    dk = op.multiply(op.matmul(t(ds), qt), _const(scale, q))
+    return [op.permute_dims(g, bhsd) for g in (dq, dk, dv)]
+
+
+@register_gradient("relax.take", level=11)  # overrides TVM's, whose kernel needs 1-d indices
+def _take_grad(orig_var, orig_call, output_grad, bb):
+    x, indices = orig_call.args[0], orig_call.args[1]
+    axis = orig_call.attrs.axis
+    if axis is None or len(indices.ty.shape) != 0:
+        return _op_gradient.take_grad(orig_var, orig_call, output_grad, bb)
+    axis = int(axis) % len(_shape(x))
+    g = op.expand_dims(output_grad, axis)
+    if isinstance(indices, tvm.ir.expr.Constant):  # x[..., i, ...] (select): pad the gradient around i
+        n, i = _shape(x)[axis], int(indices.value.numpy())
+        i %= n
+        pad = [0] * (2 * len(_shape(x)))
+        pad[2 * axis], pad[2 * axis + 1] = i, n - 1 - i
+        return [op.nn.pad(g, pad), op.grad.no_grad(indices)]
+    flat = op.reshape(indices, [1])
+    return [op.grad.take_backward(g, x, flat, axis), op.grad.no_grad(indices)]
+
+
+@_register("relax.nn.dropout")
+def _dropout_grad(orig_var, orig_call, output_grad, bb):
+    raise NotImplementedError("gradient of dropout (random masks are not replayed)")
+
+
+def vjp(fwd: relax.Function, diff: list, out_metas: list) -> relax.Function:
+    """Return bwd(fwd's params..., grad_outs...) -> (scalar, (grads of params[diff]...))."""
+    from .torchscript import inline
+
+    params = [relax.Var(p.name, p.ty) for p in fwd.params]
+    out_tys = list(fwd.ret_ty.fields)
+    grads = [relax.Var(f"grad_out{i}", ty) for i, ty in enumerate(out_tys)]
+    bb = relax.BlockBuilder()
+    with bb.function("bwd", params + grads):
+        with bb.dataflow():
+            outs = inline(bb, fwd, params)
+            total = None
+            for i, (g, ty) in enumerate(zip(grads, out_tys)):
+                if not str(ty.dtype).startswith(("float", "bfloat")):
+                    continue
+                o = bb.emit(relax.TupleGetItem(outs, i))
+                s = bb.emit(op.sum(op.multiply(o, g)))
+                if str(ty.dtype) != "float32":
+                    s = bb.emit(op.astype(s, "float32"))
+                total = s if total is None else bb.emit(op.add(total, s))
+            if total is None:
+                total = bb.emit(relax.const(0.0, "float32"))
+            result = bb.emit_output(total)
+        bb.emit_func_output(result)
+    mod = bb.get()
+    mod = relax.transform.Gradient("bwd", require_grads=[params[i] for i in diff])(mod)
+    return mod["bwd_adjoint"]
