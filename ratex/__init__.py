@@ -9,6 +9,7 @@ from .core.tensor import LazyTensor, is_lazy
 from .lazy_tensor_core.core import lazy_model
 from .lazy_tensor_core.debug import metrics
 from . import jit  # noqa: E402  (ratex.jit.script)
+from . import debug, profiler  # noqa: E402,F401  (ratex.profiler.Profiler, RATEX_PROFILE, ratex.debug.graph_text)
 
 __version__ = "0.1.0"
 __all__ = ["LazyTensor", "is_lazy", "jit", "lazy_model", "metrics", "__version__"]

@@ -47,11 +47,20 @@ def compile_graph(graph: Graph) -> Program:
     be = backend()
     with metrics.timed("LowerTime"):
         mod = tvm_lowering.import_graph(to_fx(graph), library=use_library(be.target.kind))
+    cache = _disk_cache()
+    name = _entry_name(cache, graph) if cache is not None else None
+    dev = be.target.device()
     with metrics.timed("CompileTime"):
         executable = tvm_lowering.build(mod, be.target)
+        # Making the VM JIT-links the code in memory, which costs about as much as the build.
+        # With a persistent cache the library is exported (linked) once and loaded instead.
+        program = Program(executable, mod, dev) if name is None else None
     if config.SAVE_IR:
         _save_ir(graph, mod)
-    return Program(executable, mod, be.target.device())
+    if program is None:
+        lib = _store(cache, name, graph, executable)
+        program = Program(lib if lib is not None else executable, mod, dev)
+    return program
 
 
 def graph_hash(graph: Graph) -> str:
@@ -133,22 +142,17 @@ def load_program(graph: Graph):
     return program
 
 
-def store_program(graph: Graph, program: Program):
-    """Save a freshly compiled program in the persistent cache (if enabled and the key is stable)."""
-    cache = _disk_cache()
-    if cache is None:
-        return
-    name = _entry_name(cache, graph)
-    if name is None:
-        return
-    cache.check_dir()  # an unsafe directory is an error, not a warning
+def _store(cache, name, graph: Graph, executable):
+    """Save a fresh executable as entry `name`; return the library loaded back, or None on failure."""
     with metrics.timed("PersistentCacheStoreTime"):
         try:
-            cache.store(name, program.executable, {"ops": len(graph.nodes), "salt": cache.salt})
-        except Exception as err:  # noqa: BLE001 - a full disk must not fail the step
+            path = cache.store(name, executable, {"ops": len(graph.nodes), "salt": cache.salt})
+            return tvm.runtime.load_module(path)
+        except Exception as err:  # noqa: BLE001 - a full disk or a missing linker must not fail the step
             if cache.root not in _store_warned:
                 _store_warned.add(cache.root)
                 warnings.warn(f"ratex compile cache: could not save to {cache.root}: {err}", stacklevel=3)
+            return None
 
 
 _store_warned = set()

@@ -5,7 +5,7 @@ import weakref
 import tvm_lowering
 from . import metrics
 from .device import backend
-from .executor import compile_graph, load_program, store_program
+from .executor import compile_graph, load_program
 from .graph import cut
 from .ir import Node, fill, op_name
 
@@ -74,7 +74,6 @@ def _execute(values: list):
                 continue
             metrics.counter_inc("UncachedCompile")
             _cache.put(graph.key, program)
-            store_program(graph, program)
         else:
             metrics.counter_inc("CachedCompile")
         inputs = [node.results[idx] for node, idx in graph.leaves]

@@ -18,6 +18,11 @@ def mark_step():
     sync.mark_step()
 
 
+def add_step_closure(fn, args=()):
+    """Run fn(*args) after the next mark_step's execution finishes (e.g. to print a loss)."""
+    sync.add_step_closure(fn, args)
+
+
 def wait_device_ops():
     """Block until all work launched on the lazy device is done."""
     sync.wait_device_ops()
@@ -28,4 +33,4 @@ def is_lazy_tensor(t) -> bool:
     return is_lazy(t)
 
 
-__all__ = ["lazy_device", "mark_step", "wait_device_ops", "is_lazy_tensor"]
+__all__ = ["lazy_device", "mark_step", "add_step_closure", "wait_device_ops", "is_lazy_tensor"]
