@@ -5,6 +5,8 @@ import functools
 import tvm
 from tvm import relax
 
+from .library_dispatch import library_dispatch
+
 DEVICES = ("CPU", "GPU")
 
 
@@ -39,10 +41,16 @@ def _host_cpu() -> str:
     return str(tvm.target.codegen.llvm_get_system_cpu()) if hasattr(tvm.target, "codegen") else "generic"
 
 
-def build(mod: tvm.IRModule, target: Target):
-    """Compile `mod` with fusion (FuseOps/FuseTIR) for `target`; return a tvm executable."""
+def build(mod: tvm.IRModule, target: Target, library: bool = False):
+    """Compile `mod` with fusion (FuseOps/FuseTIR) for `target`; return a tvm executable.
+
+    With `library`, conv2d/conv2d_transpose/matmul left in the module become
+    calls to the ratex.lib.* kernel library (see library_dispatch.py).
+    """
     # CSE removes the forward that a script's backward recomputes; DCE what nothing reads.
     cleanup = [relax.transform.EliminateCommonSubexpr(), relax.transform.DeadCodeElimination()]
+    if library:
+        cleanup.append(library_dispatch)
     pipeline = tvm.transform.Sequential(cleanup + [relax.get_default_pipeline(target.tvm)])
     with target.tvm:
         return tvm.compile(mod, target=target.tvm, relax_pipeline=pipeline)

@@ -46,12 +46,13 @@ def compile_graph(graph: Graph) -> Program:
     """Lower and compile `graph` for the configured target (raises LoweringError)."""
     be = backend()
     with metrics.timed("LowerTime"):
-        mod = tvm_lowering.import_graph(to_fx(graph), library=use_library(be.target.kind))
+        library = use_library(be.target.kind)
+        mod = tvm_lowering.import_graph(to_fx(graph), library=library)
     cache = _disk_cache()
     name = _entry_name(cache, graph) if cache is not None else None
     dev = be.target.device()
     with metrics.timed("CompileTime"):
-        executable = tvm_lowering.build(mod, be.target)
+        executable = tvm_lowering.build(mod, be.target, library=library)
         # Making the VM JIT-links the code in memory, which costs about as much as the build.
         # With a persistent cache the library is exported (linked) once and loaded instead.
         program = Program(executable, mod, dev) if name is None else None

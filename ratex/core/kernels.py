@@ -54,6 +54,34 @@ def _convolution(*args):
     return _out(out)
 
 
+def _same_or_pad(x, padding):
+    """Relax padding is (top, left, bottom, right); torch's conv takes a symmetric pair."""
+    top, left, bottom, right = padding
+    if top == bottom and left == right:
+        return x, [top, left]
+    return torch.nn.functional.pad(x, [left, right, top, bottom]), [0, 0]
+
+
+def _conv2d(x, w, attrs):
+    cfg = _attrs(attrs)
+    xt, pad = _same_or_pad(torch.from_dlpack(x), cfg["padding"])
+    return _out(torch.conv2d(xt, torch.from_dlpack(w), None, cfg["stride"], pad, cfg["dilation"], cfg["groups"]))
+
+
+def _conv2d_transpose(x, w, attrs):
+    cfg = _attrs(attrs)
+    top, left = cfg["padding"][:2]  # the pass only sends symmetric padding here
+    out = torch.conv_transpose2d(
+        torch.from_dlpack(x), torch.from_dlpack(w), None, cfg["stride"], [top, left], cfg["output_padding"],
+        cfg["groups"], cfg["dilation"],
+    )
+    return _out(out)
+
+
+def _matmul(a, b):
+    return _out(torch.matmul(torch.from_dlpack(a), torch.from_dlpack(b)))
+
+
 _PLACEHOLDER = torch.zeros(1)
 
 
@@ -68,5 +96,6 @@ def _convolution_backward(g, x, w, attrs):
 
 for _name, _fn in {
     "mm": _mm, "addmm": _addmm, "bmm": _bmm, "convolution": _convolution, "convolution_backward": _convolution_backward,
+    "conv2d": _conv2d, "conv2d_transpose": _conv2d_transpose, "matmul": _matmul,
 }.items():
     tvm.register_global_func(f"ratex.lib.{_name}", _fn, override=True)
