@@ -1,0 +1,40 @@
+"""The MNIST tutorial: without dropout it matches CPU step by step; with dropout its loss goes down."""
+import copy
+import importlib.util
+import pathlib
+
+import torch
+
+from ratex import datasets
+
+_spec = importlib.util.spec_from_file_location(
+    "mnist_tutorial", pathlib.Path(__file__).parent.parent / "tutorials" / "mnist.py"
+)
+mnist = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(mnist)
+
+
+def _run(model, device, batches):
+    model = model.to(device)  # before the optimizer, as PyTorch's docs ask for any device
+    optimizer = torch.optim.Adadelta(model.parameters(), lr=1.0)
+    losses = []
+    mnist.train(10**9, model, device, batches, optimizer, 1, losses)
+    return [float(loss) for loss in losses]
+
+
+def test_matches_cpu_without_dropout(dev):
+    torch.manual_seed(0)
+    images, labels = datasets.synthetic_mnist(5 * 8)
+    batches = list(datasets.batches(images, labels, 8))
+    model = mnist.Net(dropout=False)
+    want = _run(copy.deepcopy(model), torch.device("cpu"), batches)
+    got = _run(model, dev, batches)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_loss_goes_down_with_dropout(dev):
+    torch.manual_seed(0)
+    images, labels = datasets.synthetic_mnist(16 * 8)
+    batches = list(datasets.batches(images, labels, 8))
+    losses = _run(mnist.Net(), dev, batches)
+    assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 - 0.3, losses
