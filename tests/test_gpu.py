@@ -37,7 +37,7 @@ def test_lenet_training_step_builds_for_cuda(dev):
     loss = F.nll_loss(model(torch.randn(2, 1, 28, 28).to(dev)), torch.tensor([1, 2]).to(dev))
     loss.backward()
     opt.step()
-    roots = [v for v in (st.value for st in list(sync._pending.values())) if v[0].results[v[1]] is None]
+    roots = [st.value for st in sync.pending_storages()]
     step = graph.cut(roots)
     ops = {n.op.__name__ for n in step.nodes}
     assert {"convolution.default", "convolution_backward.default", "add.Tensor"} <= ops  # fwd, bwd and update

@@ -21,21 +21,32 @@ class Meta(NamedTuple):
 
 
 class Slot:
-    """Marks the place of tensor input `i` inside an op's argument template."""
+    """Marks the place of tensor input `i` inside an op's argument template.
+
+    Slots are canonical (`slot(i)` always returns the same object), so specs
+    hash and compare by identity at C speed.
+    """
 
     __slots__ = ("i",)
 
     def __init__(self, i: int):
         self.i = i
 
-    def __eq__(self, other):
-        return type(other) is Slot and other.i == self.i
-
-    def __hash__(self):
-        return hash(("slot", self.i))
-
     def __repr__(self):
         return f"%{self.i}"
+
+    def __reduce__(self):
+        return (slot, (self.i,))
+
+
+_SLOTS = [Slot(i) for i in range(256)]
+
+
+def slot(i: int) -> Slot:
+    """Return the canonical Slot for input `i`."""
+    while i >= len(_SLOTS):
+        _SLOTS.append(Slot(len(_SLOTS)))
+    return _SLOTS[i]
 
 
 class Node:
@@ -80,11 +91,16 @@ def op_name(op) -> str:
     return op.__name__
 
 
+ATOMS = frozenset((int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout))
+
+
 def template(obj, tensors: list, is_tensor):
     """Return a hashable copy of `obj` with each tensor replaced by a Slot into `tensors`."""
+    if type(obj) in ATOMS:
+        return obj
     if is_tensor(obj):
         tensors.append(obj)
-        return Slot(len(tensors) - 1)
+        return slot(len(tensors) - 1)
     if isinstance(obj, (list, tuple)):
         items = tuple(template(x, tensors, is_tensor) for x in obj)
         return items if isinstance(obj, tuple) else ("__list__", items)

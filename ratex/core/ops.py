@@ -15,6 +15,7 @@ import torch
 
 import tvm_lowering
 from . import metrics, random, shape, sync, tensor
+from . import ir
 from .ir import Node, fill, op_name, template
 
 aten = torch.ops.aten
@@ -35,21 +36,32 @@ def handles(*funcs):
 
 def dispatch(func, args, kwargs):
     """Trace (or run) one ATen call whose arguments include lazy tensors."""
+    route = _routes.get(func)
+    if route is None:
+        route = _routes[func] = _route(func)
+    return route(func, args, kwargs)
+
+
+_routes = {}
+
+
+def _route(func):
+    """Choose, once per OpOverload, which path of the policy above handles it."""
     handler = HANDLERS.get(func)
     if handler is not None:
-        return handler(func, args, kwargs)
+        return handler
     if func.__name__.startswith("_foreach_"):
-        return _foreach(func, args, kwargs)
+        return _foreach
     decomp = DECOMPS.get(func)
-    if decomp is not None:
+    fallthrough = _view if func.is_view else _mutating if func._schema.is_mutable else _functional
+    if decomp is None:
+        return fallthrough
+
+    def decomposed(func, args, kwargs):
         out = decomp(*args, **kwargs)
-        if out is not NotImplemented:
-            return out
-    if func.is_view:
-        return _view(func, args, kwargs)
-    if func._schema.is_mutable:
-        return _mutating(func, args, kwargs)
-    return _functional(func, args, kwargs)
+        return fallthrough(func, args, kwargs) if out is NotImplemented else out
+
+    return decomposed
 
 
 # ---- inputs ----------------------------------------------------------------
@@ -62,8 +74,29 @@ class _V:
         self.value = value
 
 
+_ARG_TENSOR_TYPES = (torch.Tensor, _V)
+
+
 def _is_arg_tensor(x):
-    return isinstance(x, (torch.Tensor, _V))
+    return isinstance(x, _ARG_TENSOR_TYPES)
+
+
+_NO_KWARGS = ("__dict__", ())
+_ATOMS = ir.ATOMS
+
+
+def _tmpl(x, found):
+    """`ir.template` for one argument, specialised for the hot path."""
+    t = type(x)
+    if t in _ATOMS:
+        return x
+    if t is list or t is tuple:
+        items = tuple([_tmpl(i, found) for i in x])
+        return items if t is tuple else ("__list__", items)
+    if isinstance(x, _ARG_TENSOR_TYPES):
+        found.append(x)
+        return ir.slot(len(found) - 1)
+    return template(x, found, _is_arg_tensor)
 
 
 def _collect(func, args, kwargs):
@@ -71,7 +104,10 @@ def _collect(func, args, kwargs):
     if any(k in kwargs for k in _DEVICE_KWARGS):
         kwargs = {k: v for k, v in kwargs.items() if k not in _DEVICE_KWARGS}
     found = []
-    spec = template((tuple(args), kwargs), found, _is_arg_tensor)
+    spec = (
+        tuple([_tmpl(a, found) for a in args]),
+        ("__dict__", tuple([(k, _tmpl(v, found)) for k, v in kwargs.items()])) if kwargs else _NO_KWARGS,
+    )
     values, metas = [], []
     for t in found:
         if isinstance(t, _V):
@@ -90,7 +126,7 @@ def _collect(func, args, kwargs):
                     f"tensor of shape {tuple(t.shape)} to the lazy device with .to('lazy'))"
                 )
         values.append(t._value())
-        metas.append((tuple(t.shape), tuple(t.stride()), t.dtype))
+        metas.append(t._sig)
     return spec, values, tuple(metas)
 
 
@@ -113,14 +149,21 @@ def _functional(func, args, kwargs):
         out = shape.infer(func, spec, metas)
     except shape.NoMeta:
         return eager(func, args, kwargs)
-    name = op_name(func)
-    if not tvm_lowering.has_rule(name):
+    counter = _lowered_counter(func)
+    if counter is None:
         return eager(func, args, kwargs)
     node = Node(func, spec, tuple(values), out.metas, multi=out.kind != "tensor")
-    if node.key in sync.unlowerable:
+    if sync.unlowerable and node.key in sync.unlowerable:
         return eager(func, args, kwargs)
-    metrics.counter_inc(f"ratex::{name}")
+    metrics.counter_inc(counter)
     return _wrap(node, out)
+
+
+@functools.lru_cache(maxsize=None)
+def _lowered_counter(func):
+    """The counter name `ratex::<op>` if `func` has a lowering rule, else None."""
+    name = op_name(func)
+    return f"ratex::{name}" if tvm_lowering.has_rule(name) else None
 
 
 def emit(func, *args, **kwargs):
@@ -240,11 +283,16 @@ def _view(func, args, kwargs):
         return eager(func, args, kwargs)
     if out.kind != "tensor":
         return eager(func, args, kwargs)
-    metrics.counter_inc(f"ratex::{op_name(func)}")
+    metrics.counter_inc(_view_counter(func))
     value = values[0] if func in _IDENTITY_VIEWS else (Node(func, spec, tuple(values), out.metas), 0)
     return tensor.LazyTensor(
         base._st, base._chain + ((func, spec),), out.metas[0], out.strides[0], out.offsets[0], value
     )
+
+
+@functools.lru_cache(maxsize=None)
+def _view_counter(func):
+    return f"ratex::{op_name(func)}"
 
 
 _RESHAPES = {

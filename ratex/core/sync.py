@@ -11,14 +11,31 @@ from .ir import Node, fill, op_name
 
 # Storages whose value may still be uncomputed, in the order they became pending:
 # a deterministic root order keeps the graph key stable from step to step.
-_pending = weakref.WeakValueDictionary()
+_pending = []  # weak references, in order; compacted when long (see track)
 _cache = tvm_lowering.CompileCache()
 unlowerable = set()  # node keys whose rule failed: such ops run eagerly from now on
 
 
 def track(storage):
     """Remember a storage whose value was just replaced by a pending one."""
-    _pending[id(storage)] = storage
+    _pending.append(weakref.ref(storage))
+    if len(_pending) > 100_000:  # a long run with no mark_step: forget dead or computed ones
+        _pending[:] = [r for r in _pending if _is_pending(r())]
+
+
+def _is_pending(st) -> bool:
+    return st is not None and st.value[0].results[st.value[1]] is None
+
+
+def pending_storages() -> list:
+    """Return the live storages whose value is not computed, in the order they became pending."""
+    seen, out = set(), []
+    for ref in _pending:
+        st = ref()
+        if _is_pending(st) and id(st) not in seen:
+            seen.add(id(st))
+            out.append(st)
+    return out
 
 
 _depth = 0  # execute() nests (eager fallbacks); only the outermost call is a "Sync" span
@@ -120,7 +137,7 @@ def mark_step():
     """Compute every live pending tensor in one program and make the results their data."""
     metrics.counter_inc("MarkStep")
     with metrics.span("MarkStep"):
-        storages = list(_pending.values())
+        storages = pending_storages()
         _pending.clear()
         execute([st.value for st in storages])
         for st in storages:

@@ -52,18 +52,15 @@ class LazyTensor(torch.Tensor):
 
     @staticmethod
     def __new__(cls, storage, chain, meta, stride=None, offset=0, value=None):
+        if stride is None:
+            stride = _contiguous_strides(meta.shape)
         t = torch.Tensor._make_wrapper_subclass(
-            cls,
-            meta.shape,
-            strides=stride if stride is not None else _contiguous_strides(meta.shape),
-            storage_offset=offset,
-            dtype=meta.dtype,
-            device=LAZY,
-            requires_grad=False,
+            cls, meta.shape, strides=stride, storage_offset=offset, dtype=meta.dtype, device=LAZY, requires_grad=False
         )
         t._st = storage
         t._chain = chain
         t._cache = (storage.version, value)
+        t._sig = (meta.shape, tuple(stride), meta.dtype)  # shape inference's view of this tensor
         metrics.counter_inc("CreateLazyTensor")
         return t
 
@@ -130,7 +127,7 @@ class LazyTensor(torch.Tensor):
     def _assume(self, other: "LazyTensor"):
         """Become `other` (shape, strides and aliasing) in place: `p.data = t`, `x.t_()`."""
         _set_data(self, other)  # updates the C++ metadata (sizes, strides, dtype)
-        self._st, self._chain, self._cache = other._st, other._chain, other._cache
+        self._st, self._chain, self._cache, self._sig = other._st, other._chain, other._cache, other._sig
 
     @property
     def data(self):
