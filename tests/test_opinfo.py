@@ -17,6 +17,7 @@ nn.functional.leaky_relu nn.functional.linear nn.functional.mse_loss nn.function
 nn.functional.relu nn.functional.silu nn.functional.softplus nn.functional.avg_pool2d
 nn.functional.embedding neg permute pow reciprocal remainder reshape round rsqrt rsub sigmoid sign sin
 sinh softmax sqrt square squeeze stack sub sum t tanh transpose tril triu unsqueeze var view where
+select std nn.functional.selu nn.functional.elu
 """.split()
 
 # These must lower to TVM (no aten:: fallback counted) for every sample tried.

@@ -339,7 +339,7 @@ def _split_views(func, args, kwargs):
         return tuple(aten.select.int(self, dim, i) for i in range(self.shape[dim]))
     dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
     size = self.shape[dim]
-    if name == "split.Tensor":
+    if name in ("split.Tensor", "unsafe_split.Tensor"):
         step = args[1]
         sizes = [min(step, size - s) for s in range(0, size, step)] if size else [0]
     else:
@@ -554,3 +554,32 @@ def _native_dropout(func, args, kwargs):
     seed = tensor.LazyTensor.from_cpu(random.new_seed(), adopt=True)
     out, mask = torch.ops.ratex.seeded_dropout.default(x, seed, float(p))
     return out, mask
+
+
+# ---- backward helpers PyTorch emits that are scatters into zeros ------------------------
+def _zeros(sizes, like):
+    return _functional(aten.full.default, (list(sizes), 0), {"dtype": like.dtype})
+
+
+def _select_backward(grad, input_sizes, dim, index):
+    return aten.select_scatter.default(_zeros(input_sizes, grad), grad, dim, index)
+
+
+def _slice_backward(grad, input_sizes, dim, start, end, step):
+    return aten.slice_scatter.default(_zeros(input_sizes, grad), grad, dim, start, end, step)
+
+
+def _safe_softmax(x, dim, dtype=None):
+    """softmax, but 0 (not NaN) for rows that are entirely -inf (masked-out attention rows)."""
+    out = aten._softmax.default(x if dtype is None else aten._to_copy.default(x, dtype=dtype), dim, False)
+    masked = aten.eq.Scalar(aten.amax.default(x, [dim], True), float("-inf"))
+    return aten.where.self(masked, aten.zeros_like.default(out), out)
+
+
+DECOMPS.update({
+    aten.select_backward.default: _select_backward,
+    aten.slice_backward.default: _slice_backward,
+    aten._safe_softmax.default: _safe_softmax,
+})
+HANDLERS[aten.unsafe_split.Tensor] = _split_views
+HANDLERS[aten.unsafe_split_with_sizes.default] = _split_views
