@@ -31,6 +31,10 @@ One row per mini-batch, in milliseconds:
 A sync is every point that runs pending work: mark_step, and .item(), .cpu(),
 print() of a lazy tensor. With RATEX_PROFILE=1 a row is printed (to stderr)
 at the end of every mark_step, no code change needed.
+
+While a profiler is active (or RATEX_PROFILE=1), programs run before
+mark_step returns, so each phase is timed on its own; without it, execution
+of step N overlaps tracing of step N+1 (see ratex/core/sync.py).
 """
 import contextlib
 import json
@@ -40,7 +44,7 @@ import threading
 import time
 
 from . import config
-from .core import metrics
+from .core import metrics, sync
 
 __all__ = ["Profiler", "COLUMNS"]
 
@@ -161,6 +165,7 @@ class Profiler:
 
     # ---- lifecycle ------------------------------------------------------------------
     def __enter__(self):
+        sync.serialize(True)  # phases are timed one after another: no overlap while profiling
         self._t0 = self._step_t0 = time.perf_counter()
         self._window = _Window()
         self._window.start = self._t0
@@ -168,6 +173,7 @@ class Profiler:
         return self
 
     def __exit__(self, *exc):
+        sync.serialize(False)
         metrics.remove_listener(self._on_event)
         if self._window is not None and (self._regions or self._window.syncs):
             self.step()  # a last mini-batch that was not closed with step()
@@ -273,6 +279,7 @@ _printer = None
 def _enable_env_profile():
     global _printer
     if _printer is None:
+        sync.serialize(True)
         _printer = _StepPrinter()
         metrics.add_listener(_printer)
 

@@ -1,4 +1,16 @@
-"""Sync points: compute pending values, through the compile cache, and keep the results."""
+"""Sync points: compute pending values, through the compile cache, and keep the results.
+
+Execution is asynchronous: a compiled program is handed to one worker thread
+(programs run in launch order) and its outputs become `Pending` device data
+at once, so Python traces step N+1 while step N runs (the Relax VM releases the
+GIL inside kernels). Whatever needs the values themselves (`.cpu()`, `.item()`,
+an eager fallback) waits for them with `resolve`. An error while executing is
+raised at the next sync point, naming the graph and the error, and the tensors
+of the failed step go back to the values they had before it.
+"""
+import os
+import queue
+import threading
 import warnings
 import weakref
 
@@ -38,6 +50,112 @@ def pending_storages() -> list:
     return out
 
 
+class ExecutionError(RuntimeError):
+    """A launched program failed while running."""
+
+
+class _Job:
+    """One launched program run: inputs in, outputs (or an error) out."""
+
+    __slots__ = ("program", "inputs", "targets", "outs", "error", "done", "restore", "label")
+
+    def __init__(self, program, inputs, targets, label):
+        self.program, self.inputs, self.targets, self.label = program, inputs, targets, label
+        self.outs = self.error = None
+        self.restore = ()
+        self.done = threading.Event()
+
+    def run(self):
+        try:
+            inputs = [resolve(x) for x in self.inputs]
+            with metrics.timed("ExecuteTime"):
+                self.outs = self.program.run(inputs)
+            for (node, idx), out in zip(self.targets, self.outs):
+                node.results[idx] = out  # replaces the Pending: later reads skip the indirection
+        except BaseException as err:  # noqa: BLE001 - reported at the next sync point
+            self.error = err
+            _failed.append(self)
+        finally:
+            self.inputs = self.targets = None
+            self.done.set()
+
+    def result(self, k):
+        self.done.wait()
+        if self.error is not None:
+            raise ExecutionError(f"ratex: executing {self.label} failed: {self.error}") from self.error
+        return self.outs[k]
+
+
+class Pending:
+    """Device data that a launched program will produce."""
+
+    __slots__ = ("job", "index")
+
+    def __init__(self, job, index):
+        self.job, self.index = job, index
+
+    def get(self):
+        return self.job.result(self.index)
+
+
+def resolve(data):
+    """Return device data, waiting for the program that produces it if it is still running."""
+    return data.get() if type(data) is Pending else data
+
+
+ASYNC = os.environ.get("RATEX_ASYNC", "1").strip().lower() not in ("0", "false", "no", "off")
+_queue = queue.Queue()
+_failed = []
+_worker = None
+
+
+def _work():
+    while True:
+        job = _queue.get()
+        try:
+            job.run()
+        finally:
+            _queue.task_done()
+
+
+_serial = [0]  # > 0 while something (the profiler) needs each program run before mark_step returns
+
+
+def serialize(on: bool):
+    """Run programs synchronously while `on` requests are outstanding (nestable)."""
+    if on:
+        wait_device_ops()
+    _serial[0] += 1 if on else -1
+
+
+def _launch(job):
+    global _worker
+    if not ASYNC or _serial[0] > 0:
+        job.run()
+        return
+    if _worker is None:
+        _worker = threading.Thread(target=_work, name="ratex-executor", daemon=True)
+        _worker.start()
+    _queue.put(job)
+
+
+def _raise_failures():
+    """Raise the first execution error since the last sync, after rolling its tensors back."""
+    if not _failed:
+        return
+    jobs = list(_failed)
+    _failed.clear()
+    for job in jobs:
+        for storage, previous in job.restore:
+            if storage.value[0].results[storage.value[1]].__class__ is Pending and previous is not None:
+                storage.value = previous
+    job = jobs[0]
+    raise ExecutionError(
+        f"ratex: executing {job.label} failed: {type(job.error).__name__}: {job.error}. "
+        "The tensors that step would have written keep their previous values."
+    ) from job.error
+
+
 _depth = 0  # execute() nests (eager fallbacks); only the outermost call is a "Sync" span
 
 
@@ -46,6 +164,7 @@ def execute(values: list):
     global _depth
     if _depth:
         return _execute(values)
+    _raise_failures()
     _depth += 1
     try:
         with metrics.span("Sync"):
@@ -94,11 +213,20 @@ def _execute(values: list):
         else:
             metrics.counter_inc("CachedCompile")
         inputs = [node.results[idx] for node, idx in graph.leaves]
-        with metrics.timed("ExecuteTime"):
-            outs = program.run(inputs)
-        for (node, idx), out in zip(roots, outs):
-            node.set_result(idx, out)
+        job = _Job(program, inputs, roots, f"graph {_label(graph)} ({len(graph.nodes)} ops)")
+        for k, (node, idx) in enumerate(roots):
+            node.set_result(idx, Pending(job, k))
+        _last_job[0] = job
+        _launch(job)
         return
+
+
+_last_job = [None]
+
+
+def _label(graph) -> str:
+    ops = sorted({op_name(n.op) for n in graph.nodes})
+    return f"{hash(graph.key) & 0xFFFFFFFF:08x} [{', '.join(ops[:8])}{', ...' if len(ops) > 8 else ''}]"
 
 
 _warned = set()
@@ -115,7 +243,7 @@ def run_eagerly(node: Node):
     """Compute one op node on CPU PyTorch from its (computed) inputs."""
     execute(list(node.inputs))
     be = backend()
-    cpu_inputs = [be.view_cpu(n.results[i]) for n, i in node.inputs]
+    cpu_inputs = [be.view_cpu(resolve(n.results[i])) for n, i in node.inputs]
     args, kwargs = fill(node.spec, cpu_inputs)
     out = node.op(*args, **kwargs)
     outs = list(out) if node.multi else [out]
@@ -139,7 +267,11 @@ def mark_step():
     with metrics.span("MarkStep"):
         storages = pending_storages()
         _pending.clear()
+        restore = [(st, st.prev) for st in storages]
+        _last_job[0] = None
         execute([st.value for st in storages])
+        if _last_job[0] is not None:
+            _last_job[0].restore = restore
         for st in storages:
             st.rebind()
     if _step_closures:
@@ -151,7 +283,10 @@ def mark_step():
 
 
 def wait_device_ops():
-    """Block until launched device work is done (execution is synchronous for now)."""
+    """Block until all launched programs have run; raise if one of them failed."""
+    if _worker is not None:
+        _queue.join()
+    _raise_failures()
 
 
 def reset_cache():

@@ -19,13 +19,17 @@ aten = torch.ops.aten
 class Storage:
     """The current value of a base tensor, shared with its views; `version` counts writes."""
 
-    __slots__ = ("value", "version", "__weakref__")
+    __slots__ = ("value", "version", "prev", "__weakref__")
 
     def __init__(self, value):
         self.value = value
         self.version = 0
+        self.prev = None  # the last computed value, restored if the step computing `value` fails
 
     def write(self, value):
+        current = self.value
+        if current[0].results[current[1]] is not None:
+            self.prev = current
         self.value = value
         self.version += 1
         if value[0].results[value[1]] is None:
@@ -105,7 +109,7 @@ class LazyTensor(torch.Tensor):
             if not self._chain:
                 self._st.rebind()
         node, idx = value
-        return node.results[idx]
+        return sync.resolve(node.results[idx])
 
     def _to_cpu(self) -> torch.Tensor:
         return backend().download(self._device_data())

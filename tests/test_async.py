@@ -1,0 +1,63 @@
+"""Asynchronous execution: tracing overlaps execution; execution errors surface at the next sync
+and leave the tensors of the failed step as they were."""
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ratex.lazy_tensor_core.core.lazy_model as lm
+from ratex.core import executor, sync
+from ratex.lazy_tensor_core.debug import metrics
+
+
+def test_tracing_of_next_step_overlaps_execution(dev):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(1, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2), torch.nn.Flatten(),
+        torch.nn.Linear(8 * 14 * 14, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10),
+    ).to(dev)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    x, y = torch.randn(64, 1, 28, 28), torch.randint(0, 10, (64,))
+
+    def step():
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x.to(dev)), y.to(dev))
+        loss.backward()
+        opt.step()
+        lm.mark_step()
+        return loss
+
+    for _ in range(3):
+        step()
+    lm.wait_device_ops()
+    metrics.reset()
+    trace, start = 0.0, time.perf_counter()
+    for _ in range(10):
+        t = time.perf_counter()
+        loss = step()
+        trace += time.perf_counter() - t  # mark_step returns before the program has run
+    lm.wait_device_ops()
+    wall = time.perf_counter() - start
+    _, execute, _ = metrics.metric_data("ExecuteTime")
+    assert wall < trace + execute, (wall, trace, execute)
+    assert torch.isfinite(loss.cpu())
+
+
+def test_execution_error_surfaces_at_next_sync_and_rolls_back(dev, monkeypatch):
+    w = torch.ones(3).to(dev)
+    lm.mark_step()
+    w.add_(1)
+
+    def failing_run(self, inputs):
+        raise IndexError("index 7 is out of bounds for dimension 0 with size 3")
+
+    monkeypatch.setattr(executor.Program, "run", failing_run)
+    lm.mark_step()  # launches and returns; the failure is reported at the next sync point
+    with pytest.raises(sync.ExecutionError, match=r"executing graph .* out of bounds"):
+        lm.wait_device_ops()
+    monkeypatch.undo()
+    torch.testing.assert_close(w.cpu(), torch.ones(3))  # the failed step's write is rolled back
+    w.mul_(5)
+    lm.mark_step()
+    torch.testing.assert_close(w.cpu(), torch.full((3,), 5.0))
