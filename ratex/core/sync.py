@@ -57,12 +57,13 @@ class ExecutionError(RuntimeError):
 class _Job:
     """One launched program run: inputs in, outputs (or an error) out."""
 
-    __slots__ = ("program", "inputs", "targets", "outs", "error", "done", "restore", "label")
+    __slots__ = ("program", "inputs", "targets", "pendings", "outs", "error", "done", "restore", "label")
 
     def __init__(self, program, inputs, targets, label):
         self.program, self.inputs, self.targets, self.label = program, inputs, targets, label
         self.outs = self.error = None
-        self.restore = ()
+        self.restore = _restore_ctx[0]
+        self.pendings = [Pending(self, k) for k in range(len(targets))]
         self.done = threading.Event()
 
     def run(self):
@@ -70,13 +71,15 @@ class _Job:
             inputs = [resolve(x) for x in self.inputs]
             with metrics.timed("ExecuteTime"):
                 self.outs = self.program.run(inputs)
-            for (node, idx), out in zip(self.targets, self.outs):
+            for (node, idx), out, pending in zip(self.targets, self.outs, self.pendings):
                 node.results[idx] = out  # replaces the Pending: later reads skip the indirection
+                pending.data, pending.job = out, None  # copies of the Pending elsewhere let go of the job
+            self.restore = None
         except BaseException as err:  # noqa: BLE001 - reported at the next sync point
             self.error = err
             _failed.append(self)
         finally:
-            self.inputs = self.targets = None
+            self.inputs = self.targets = self.pendings = None
             self.done.set()
 
     def result(self, k):
@@ -89,13 +92,14 @@ class _Job:
 class Pending:
     """Device data that a launched program will produce."""
 
-    __slots__ = ("job", "index")
+    __slots__ = ("job", "index", "data")
 
     def __init__(self, job, index):
-        self.job, self.index = job, index
+        self.job, self.index, self.data = job, index, None
 
     def get(self):
-        return self.job.result(self.index)
+        job = self.job
+        return self.data if job is None else job.result(self.index)
 
 
 def resolve(data):
@@ -146,7 +150,7 @@ def _raise_failures():
     jobs = list(_failed)
     _failed.clear()
     for job in jobs:
-        for storage, previous in job.restore:
+        for storage, previous in job.restore or ():
             if storage.value[0].results[storage.value[1]].__class__ is Pending and previous is not None:
                 storage.value = previous
     job = jobs[0]
@@ -214,14 +218,14 @@ def _execute(values: list):
             metrics.counter_inc("CachedCompile")
         inputs = [node.results[idx] for node, idx in graph.leaves]
         job = _Job(program, inputs, roots, f"graph {_label(graph)} ({len(graph.nodes)} ops)")
-        for k, (node, idx) in enumerate(roots):
-            node.set_result(idx, Pending(job, k))
-        _last_job[0] = job
+        for (node, idx), pending in zip(roots, job.pendings):
+            node.set_result(idx, pending)
         _launch(job)
         return
 
 
-_last_job = [None]
+# (storage, previous value) pairs of the mark_step in progress: every job it launches can roll them back
+_restore_ctx = [()]
 
 
 def _label(graph) -> str:
@@ -267,11 +271,11 @@ def mark_step():
     with metrics.span("MarkStep"):
         storages = pending_storages()
         _pending.clear()
-        restore = [(st, st.prev) for st in storages]
-        _last_job[0] = None
-        execute([st.value for st in storages])
-        if _last_job[0] is not None:
-            _last_job[0].restore = restore
+        _restore_ctx[0] = [(st, st.prev) for st in storages]
+        try:
+            execute([st.value for st in storages])
+        finally:
+            _restore_ctx[0] = ()
         for st in storages:
             st.rebind()
     if _step_closures:
