@@ -102,3 +102,24 @@ def test_bad_ratex_device_fails_at_import():
     proc = subprocess.run([sys.executable, "-c", "import ratex"], env=env, capture_output=True, text=True)
     assert proc.returncode != 0
     assert "RATEX_DEVICE='TPU'" in proc.stderr and "CPU, GPU" in proc.stderr
+
+
+def test_factories_and_indexing_with_python_and_cpu_indices(dev):
+    t = torch.tensor([[1.0, 2.0, 3.0]], device=dev)
+    assert t.device == dev
+    x = torch.arange(6.0).to(dev)
+    torch.testing.assert_close(x[[1, 4]].cpu(), torch.tensor([1.0, 4.0]))
+    torch.testing.assert_close(x[torch.tensor([0, 5])].cpu(), torch.tensor([0.0, 5.0]))
+    x[torch.tensor([2])] = 9
+    torch.testing.assert_close(x.cpu(), torch.tensor([0.0, 1.0, 9.0, 3.0, 4.0, 5.0]))
+    assert torch.zeros(2, 3, device=dev, dtype=torch.int32).sum().item() == 0
+
+
+def test_torch_lazy_step_api_drives_ratex(dev):
+    import torch._lazy
+
+    y = torch.ones(2, device=dev) * 3
+    torch._lazy.mark_step()
+    torch._lazy.wait_device_ops()
+    assert metrics.counter_value("MarkStep") == 1
+    torch.testing.assert_close(y.cpu(), torch.full((2,), 3.0))

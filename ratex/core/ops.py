@@ -82,6 +82,8 @@ def _is_arg_tensor(x):
 
 
 _NO_KWARGS = ("__dict__", ())
+# As on CUDA, indexing ops take CPU index tensors (they are moved to the device).
+_CPU_INDICES_OK = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default}
 _ATOMS = ir.ATOMS
 
 
@@ -117,7 +119,7 @@ def _collect(func, args, kwargs):
             metas.append((meta.shape, tensor._contiguous_strides(meta.shape), meta.dtype))
             continue
         if not isinstance(t, tensor.LazyTensor):
-            if t.dim() == 0 and t.device.type == "cpu":
+            if t.device.type == "cpu" and (t.dim() == 0 or func in _CPU_INDICES_OK):
                 t = tensor.LazyTensor.from_cpu(t)  # like CUDA: 0-dim CPU tensors are scalars
             else:
                 raise RuntimeError(

@@ -203,8 +203,9 @@ def _lazy_key_kernel(op, *args, **kwargs):
     """Factories with device='lazy' and `cpu.to('lazy')`: run on CPU, keep the result as data."""
     if op is aten._to_copy.default:
         src = args[0]
-        kw = {k: v for k, v in kwargs.items() if k not in ("device", "pin_memory", "non_blocking")}
-        return LazyTensor.from_cpu(src.to(**kw) if kw else src, adopt=bool(kw))
+        kw = {k: v for k, v in kwargs.items() if k not in ("device", "pin_memory", "non_blocking", "layout")}
+        out = aten._to_copy.default(src, **kw) if kw else src
+        return LazyTensor.from_cpu(out, adopt=out is not src)
     kwargs = {k: (torch.device("cpu") if k == "device" else v) for k, v in kwargs.items()}
     out = op(*args, **kwargs)
     return tree_map(lambda o: LazyTensor.from_cpu(o, adopt=True) if isinstance(o, torch.Tensor) else o, out)
@@ -212,3 +213,9 @@ def _lazy_key_kernel(op, *args, **kwargs):
 
 _lib = torch.library.Library("_", "IMPL")
 _lib.fallback(_lazy_key_kernel, dispatch_key="Lazy")
+# Some C++ paths (torch.tensor(..., device='lazy'), indexing with Python lists) reach
+# these through a route the boxed fallback doesn't serve; explicit kernels do.
+_aten_lib = torch.library.Library("aten", "IMPL", "Lazy")
+for _op in (aten._to_copy.default, aten.empty.memory_format, aten.empty_strided.default):
+    _aten_lib.impl(_op._schema.name.split("::")[1] + ("." + _op._overloadname if _op._overloadname != "default" else ""),
+                   lambda *a, _op=_op, **k: _lazy_key_kernel(_op, *a, **k))
