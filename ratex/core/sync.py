@@ -143,6 +143,12 @@ def _launch(job):
     _queue.put(job)
 
 
+def _drain():
+    """Wait until the worker has run everything launched so far."""
+    if _worker is not None:
+        _queue.join()
+
+
 def _raise_failures():
     """Raise the first execution error since the last sync, after rolling its tensors back."""
     if not _failed:
@@ -184,6 +190,8 @@ def _execute(values: list):
             return
         graph = cut(roots)
         program = _cache.get(graph.key)
+        if program is None:
+            _drain()  # no compiling or loading while a program runs: TVM's codegen isn't safe next to it
         if program is None and (program := load_program(graph)) is not None:
             _cache.put(graph.key, program)  # from the persistent cache (RATEX_CACHE_DIR)
         elif program is None:

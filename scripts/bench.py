@@ -1,0 +1,471 @@
+"""Training-step benchmark: ratex against eager PyTorch, torch.compile and torch._lazy.
+
+    .venv/bin/python scripts/bench.py                       # every model x every system
+    .venv/bin/python scripts/bench.py --models lenet-b1,mlp-b128 --steps 10
+    .venv/bin/python scripts/bench.py --steps 45 --json bench.json
+
+Each (model, system) cell trains the model for --steps steps in a fresh
+subprocess (zero_grad, forward, loss, backward, optimizer step; synthetic data
+made in the subprocess and moved to the device every step, as a loader's
+batches would be). Cells run model by model, round-robin over the systems, and
+the round is repeated --repeats times (the system order rotates each round).
+
+Systems:
+  eager         CPU PyTorch
+  compile       torch.compile of the whole train-step function
+  torch_lazy    torch._lazy with the TorchScript backend (never imports ratex)
+  ratex_lazy    ratex's lazy device
+  ratex_script  ratex.jit.script(model) on ratex's lazy device
+
+Table 1: median ms/step over the steps after the first --warmup ones (the last
+step is also left out: it is the one whose ATen ops are counted), seconds of
+the first step (compile included), ratio of the median to eager's, the final
+loss, and for ratex cells whether it equals eager's final loss to 4 decimals and
+how many programs were compiled. Models with dropout (mnist-b64) draw different
+random masks on each system, so that check is marked 'n/a (dropout)' (dropout
+is not disabled: the benchmark measures the model as it trains). A
+ratex_script cell whose model jit.script could not script (it then runs on the
+plain lazy device) is footnoted with ratex's warning.
+
+Table 2 (ratex cells): tracing cost per ATen op on a cache hit -- the Python
+part of a step (everything before mark_step) divided by the ATen calls that
+reach `ratex.core.ops.dispatch` in one step (nested calls made by ratex's own
+decompositions included; the top-level count is shown too) -- and the shares
+of step time spent tracing, executing (metric 'ExecuteTime') and elsewhere
+(graph cut, cache lookup, data transfer, Python overhead). Execution that a sync
+point inside the step runs (.item(), an op with no lowering that runs eagerly)
+counts as execute, not trace; programs/step and eager-fallback ops/step show
+such steps.
+
+Threads: every cell runs with --threads (default 1) OpenMP/MKL/TVM threads and
+torch.set_num_threads. On a shared machine, more threads than free cores make
+OpenMP kernels (eager's, inductor's, TVM's) spin and run tens of times slower.
+
+Ratex subprocesses run with RATEX_CACHE_DIR="" (no persistent compile cache) and
+compile cells with a fresh TORCHINDUCTOR_CACHE_DIR, so first-step time is a cold
+compile; --warm-cache keeps the environment's caches.
+"""
+import argparse
+import importlib.metadata
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+SYSTEMS = ["eager", "compile", "torch_lazy", "ratex_lazy", "ratex_script"]
+MODELS = ["lenet-b1", "lenet-b64", "mnist-b64", "mlp-b128", "gpt2l-b8"]
+RATEX = ("ratex_lazy", "ratex_script")
+MARK = "BENCH_RESULT "
+
+
+# ---- one cell, in its own process ------------------------------------------------
+def _error_line(exc):
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}".strip()
+
+
+class _Messages:
+    """The first lines of the warnings caught so far, read lazily."""
+
+    def __init__(self, log):
+        self.log = log
+
+    def __iter__(self):
+        return (str(w.message).strip().splitlines()[0] for w in self.log if str(w.message).strip())
+
+
+def run_cell(model_name, system, steps, warmup, caught=()):
+    """Train one model under one system; return a dict of measurements."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import torch
+
+    from bench_models import MODELS as SPECS, POOL
+
+    threads = int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
+    if threads > 0:
+        torch.set_num_threads(threads)
+    spec = SPECS[model_name]
+    result = {"model": model_name, "system": system, "steps": steps, "warmup": warmup,
+              "torch_threads": torch.get_num_threads()}
+    counter = None
+    metrics = None
+
+    if system == "torch_lazy":
+        import torch._lazy
+        import torch._lazy.ts_backend
+
+        torch._lazy.ts_backend.init()
+        dev = torch.device("lazy")
+
+        def sync():
+            torch._lazy.mark_step()
+            torch._lazy.wait_device_ops()
+
+    elif system in RATEX:
+        import ratex
+        import ratex.core.ops as rops
+        import ratex.lazy_tensor_core.core.lazy_model as lm
+        from ratex.lazy_tensor_core.debug import metrics
+
+        dev = lm.lazy_device()
+
+        def sync():
+            lm.mark_step()
+            lm.wait_device_ops()
+
+        counter = _DispatchCounter(rops)
+    else:
+        dev = torch.device("cpu")
+
+        def sync():
+            pass
+
+    import faulthandler
+
+    # after the imports: TVM installs a SIGSEGV handler that prints only C frames
+    faulthandler.enable(all_threads=True)
+
+    torch.manual_seed(0)
+    batches = spec.batches(1)
+    model = spec.build()
+    if system == "ratex_script":
+        model = ratex.jit.script(model)
+    model.to(dev)
+    model.train()
+    opt = spec.optimizer(model.parameters())
+
+    def train_step(x, y):
+        opt.zero_grad()
+        loss = spec.loss(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    step_fn = torch.compile(train_step) if system == "compile" else train_step
+
+    def exec_total():
+        if metrics is None:
+            return 0.0
+        data = metrics.metric_data("ExecuteTime")
+        return data[1] if data else 0.0
+
+    def counts():
+        if metrics is None:
+            return {}
+        return {k: metrics.counter_value(k) or 0 for k in metrics.counter_names()}
+
+    # times: whole step; traces: up to mark_step, less any execution a sync point
+    # inside the step (.item(), an eager-fallback op) ran there; execs: all execution
+    times, traces, execs = [], [], []
+    loss = None
+    for i in range(steps):
+        x, y = batches[i % POOL]
+        counting = counter is not None and i == steps - 1
+        if counting:
+            counter.install()
+            before = counts()
+        e0 = exec_total()
+        t0 = time.perf_counter()
+        x, y = x.to(dev), y.to(dev)
+        loss = step_fn(x, y)
+        t1 = time.perf_counter()
+        e1 = exec_total()
+        sync()
+        t2 = time.perf_counter()
+        if counting:
+            counter.uninstall()
+            after = counts()
+            delta = {k: v - before.get(k, 0) for k, v in after.items()}
+            result["programs_per_step"] = delta.get("UncachedCompile", 0) + delta.get("CachedCompile", 0)
+            result["fallbacks_per_step"] = sum(v for k, v in delta.items() if k.startswith("aten::"))
+        times.append(t2 - t0)
+        traces.append(t1 - t0 - (e1 - e0))
+        execs.append(exec_total() - e0)
+        if i == 0 and metrics is not None:
+            result["first_step_compiles"] = metrics.counter_value("UncachedCompile") or 0
+    result["final_loss"] = float(loss.detach().to("cpu").item())
+    if system == "ratex_script" and not (metrics.counter_value("ratex::script_fwd.default") or 0):
+        result["script_fallback"] = next((w for w in caught if "jit.script" in w), "no script_fwd node recorded")
+    result["times"] = times
+    result["first_step_s"] = times[0]
+    timed = slice(warmup, steps - 1)
+    result["median_ms"] = statistics.median(times[timed]) * 1e3
+    if counter is not None:
+        result["compiles"] = metrics.counter_value("UncachedCompile") or 0
+        result["ops_total"] = counter.total
+        result["ops_top"] = counter.top
+        trace = statistics.median(traces[timed])
+        result["trace_ms"] = trace * 1e3
+        result["us_per_op"] = trace * 1e6 / counter.total if counter.total else None
+        step_sum = sum(times[timed])
+        tr, ex = sum(traces[timed]) / step_sum, sum(execs[timed]) / step_sum
+        result["share"] = {"trace": tr, "execute": ex, "other": 1.0 - tr - ex}
+        result["counters"] = {k: metrics.counter_value(k) for k in metrics.counter_names()}
+    return result
+
+
+class _DispatchCounter:
+    """Counts calls to ratex.core.ops.dispatch while installed (module attribute
+    swap: tensor.py calls `ops.dispatch`, ops.py's nested calls use the global)."""
+
+    def __init__(self, ops_module):
+        self.ops = ops_module
+        self.orig = ops_module.dispatch
+        self.total = self.top = self.depth = 0
+
+    def install(self):
+        orig = self.orig
+
+        def counting(func, args, kwargs):
+            self.total += 1
+            if self.depth == 0:
+                self.top += 1
+            self.depth += 1
+            try:
+                return orig(func, args, kwargs)
+            finally:
+                self.depth -= 1
+
+        self.ops.dispatch = counting
+
+    def uninstall(self):
+        self.ops.dispatch = self.orig
+
+
+def cell_main(args):
+    import warnings
+
+    try:
+        with warnings.catch_warnings(record=True) as log:
+            warnings.simplefilter("default")
+            result = run_cell(args.cell[0], args.cell[1], args.steps, args.warmup, caught=_Messages(log))
+    except Exception as exc:  # report, don't crash: the parent prints 'fails'
+        import traceback
+
+        traceback.print_exc()
+        result = {"model": args.cell[0], "system": args.cell[1], "error": _error_line(exc)}
+    sys.stdout.flush()
+    print(MARK + json.dumps(result), flush=True)
+
+
+# ---- the driver ------------------------------------------------------------------
+def _version(dist):
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def spawn(model, system, args):
+    env = dict(os.environ)
+    if args.threads > 0:
+        for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "TVM_NUM_THREADS"):
+            env[var] = str(args.threads)
+    tmp = None
+    if not args.warm_cache:
+        if system in RATEX:
+            env["RATEX_CACHE_DIR"] = ""
+        elif system == "compile":  # inductor keeps compiled kernels in /tmp: give it an empty one
+            tmp = tempfile.TemporaryDirectory(prefix="bench-inductor-")
+            env["TORCHINDUCTOR_CACHE_DIR"] = tmp.name
+    try:
+        return _spawn(model, system, args, env)
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+
+
+def _spawn(model, system, args, env):
+    cmd = [sys.executable, os.path.abspath(__file__), "--cell", model, system,
+           "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    start = time.time()
+    # own process group, so a timeout also ends the cell's helpers (e.g. inductor's compile workers)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        return {"model": model, "system": system, "error": f"timed out after {args.timeout:g} s"}
+    wall = time.time() - start
+    for line in reversed(stdout.splitlines()):
+        if line.startswith(MARK):
+            result = json.loads(line[len(MARK):])
+            result["wall_s"] = wall
+            if "error" in result and args.verbose:
+                sys.stderr.write(stderr[-4000:])
+            return result
+    if args.verbose:
+        sys.stderr.write(stderr[-4000:])
+    lines = [ln.strip() for ln in stderr.strip().splitlines() if ln.strip()]
+    if proc.returncode < 0:
+        try:
+            why = f"killed by {signal.Signals(-proc.returncode).name}"
+        except ValueError:
+            why = f"killed by signal {-proc.returncode}"
+        # faulthandler's report: the crashing thread's innermost Python frame
+        frames = lines[lines.index(next(ln for ln in lines if ln.startswith("Current thread"))) + 1:] \
+            if any(ln.startswith("Current thread") for ln in lines) else []
+        where = frames[0] if frames and frames[0].startswith("File ") else ""
+        return {"model": model, "system": system, "error": why + (f", in {where}" if where else "")}
+    last = lines[-1] if lines else ""
+    return {"model": model, "system": system,
+            "error": f"process exited with status {proc.returncode}" + (f": {last}" if last else "")}
+
+
+def combine(runs):
+    """Merge the repeats of one cell: medians of their medians."""
+    ok = [r for r in runs if "error" not in r]
+    if not ok:
+        return dict(runs[0])
+    out = dict(ok[-1])
+    out["median_ms"] = statistics.median(r["median_ms"] for r in ok)
+    out["first_step_s"] = statistics.median(r["first_step_s"] for r in ok)
+    if "trace_ms" in out:
+        out["trace_ms"] = statistics.median(r["trace_ms"] for r in ok)
+        if out.get("ops_total"):
+            out["us_per_op"] = out["trace_ms"] * 1e3 / out["ops_total"]
+        for k in ("trace", "execute", "other"):
+            out["share"][k] = statistics.median(r["share"][k] for r in ok)
+    out["repeats_ok"] = len(ok)
+    out["runs"] = runs
+    return out
+
+
+def table(header, rows):
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    fmt = lambda row: "  ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
+    lines = [fmt(header), "  ".join("-" * w for w in widths)]
+    lines += [fmt(r) for r in rows]
+    return "\n".join(lines)
+
+
+def report(models, systems, cells, args):
+    from bench_models import MODELS as SPECS
+
+    footnotes = []
+
+    def fails(r):
+        footnotes.append(f"[{len(footnotes) + 1}] {r['model']} / {r['system']}: {r['error']}")
+        return f"fails [{len(footnotes)}]"
+
+    rows = []
+    for m in models:
+        eager = cells.get((m, "eager"))
+        eager_ok = eager is not None and "error" not in eager
+        for s in systems:
+            r = cells[(m, s)]
+            if "error" in r:
+                rows.append([m, s, fails(r), "", "", "", "", ""])
+                continue
+            ratio = f"{r['median_ms'] / eager['median_ms']:.2f}x" if eager_ok else "-"
+            name = s
+            if r.get("script_fallback"):
+                footnotes.append(f"[{len(footnotes) + 1}] {m} / {s}: ran on the plain lazy device, "
+                                 f"not scripted: {r['script_fallback']}")
+                name = f"{s} [{len(footnotes)}]"
+            loss = check = compiles = ""
+            if s in RATEX:
+                loss = f"{r['final_loss']:.4f}"
+                compiles = str(r.get("compiles", ""))
+                if SPECS[m].dropout:
+                    check = "n/a (dropout)"
+                elif not eager_ok:
+                    check = "- (no eager)"
+                else:
+                    same = round(r["final_loss"], 4) == round(eager["final_loss"], 4)
+                    check = "yes" if same else f"NO (eager {eager['final_loss']:.4f})"
+            else:
+                loss = f"{r['final_loss']:.4f}"
+            rows.append([m, name, f"{r['median_ms']:.2f}", f"{r['first_step_s']:.2f}", ratio, loss, check, compiles])
+    print(table(["model", "system", "ms/step", "first step s", "vs eager", "final loss",
+                 "= eager (4 dp)", "compiles"], rows))
+
+    rows2 = []
+    for m in models:
+        for s in systems:
+            if s not in RATEX:
+                continue
+            r = cells[(m, s)]
+            if "error" in r:
+                rows2.append([m, s, "fails", "", "", "", "", "", "", ""])
+                continue
+            sh = r["share"]
+            upo = f"{r['us_per_op']:.1f}" if r.get("us_per_op") else "-"
+            rows2.append([m, s, f"{r['ops_total']} ({r['ops_top']})", str(r.get("programs_per_step", "")),
+                          str(r.get("fallbacks_per_step", "")), f"{r['trace_ms']:.2f}", upo,
+                          f"{sh['trace'] * 100:.0f}%", f"{sh['execute'] * 100:.0f}%", f"{sh['other'] * 100:.0f}%"])
+    if rows2:
+        print()
+        print("ratex cells, cache-hit steps: tracing cost and where the step time goes "
+              "(trace ms: median, before mark_step, less execution done by mid-step syncs)")
+        print(table(["model", "system", "ATen ops/step (top-level)", "programs/step", "eager-fallback ops/step",
+                     "trace ms", "us/op",
+                     "trace", "execute", "other"], rows2))
+    if footnotes:
+        print()
+        print("\n".join(footnotes))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--models", default=",".join(MODELS), help="comma-separated: " + ",".join(MODELS))
+    p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated: " + ",".join(SYSTEMS))
+    p.add_argument("--steps", type=int, default=20, help="train steps per cell (45 when checking losses)")
+    p.add_argument("--warmup", type=int, default=3, help="first steps left out of the median")
+    p.add_argument("--repeats", type=int, default=1, help="rounds over the systems per model")
+    p.add_argument("--timeout", type=float, default=300, help="seconds per cell")
+    p.add_argument("--threads", type=int, default=1,
+                   help="OMP/MKL/TVM threads and torch.set_num_threads in every cell (0: library defaults); "
+                        "on a shared machine more threads than free cores make OpenMP kernels crawl")
+    p.add_argument("--json", metavar="PATH", help="write every cell's measurements here")
+    p.add_argument("--warm-cache", action="store_true", help="keep RATEX_CACHE_DIR (default: disable it)")
+    p.add_argument("--verbose", action="store_true", help="print failing cells' stderr")
+    p.add_argument("--cell", nargs=2, metavar=("MODEL", "SYSTEM"), help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.steps < args.warmup + 2:
+        p.error(f"--steps must be at least --warmup + 2 = {args.warmup + 2}")
+    if args.cell:
+        return cell_main(args)
+
+    models = [m for m in args.models.split(",") if m]
+    systems = [s for s in args.systems.split(",") if s]
+    bad = [m for m in models if m not in MODELS] + [s for s in systems if s not in SYSTEMS]
+    if bad:
+        p.error(f"unknown model/system: {', '.join(bad)}")
+
+    print(f"torch {_version('torch')}, apache-tvm {_version('apache-tvm')}, python {platform.python_version()}, "
+          f"{os.cpu_count()} cores ({platform.machine()}), load average {os.getloadavg()[0]:.2f}")
+    print(f"{args.steps} steps per cell, median over steps {args.warmup + 1}..{args.steps - 1}, "
+          f"{args.repeats} repeat(s), timeout {args.timeout:g} s, "
+          f"{args.threads if args.threads > 0 else 'default'} thread(s) per cell, compile caches "
+          + ("kept" if args.warm_cache else "disabled (RATEX_CACHE_DIR=\"\", fresh inductor cache dir: cold compile)"))
+    print(flush=True)
+
+    runs = {(m, s): [] for m in models for s in systems}
+    for m in models:
+        for rep in range(args.repeats):
+            k = rep % len(systems)
+            for s in systems[k:] + systems[:k]:
+                r = spawn(m, s, args)
+                runs[(m, s)].append(r)
+                status = r["error"] if "error" in r else f"{r['median_ms']:.2f} ms/step"
+                print(f"  {m} / {s} (round {rep + 1}): {status}", file=sys.stderr, flush=True)
+    cells = {k: combine(v) for k, v in runs.items()}
+    report(models, systems, cells, args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"torch": _version("torch"), "tvm": _version("apache-tvm"), "cores": os.cpu_count(),
+                       "args": vars(args), "cells": [cells[k] for k in runs]}, f, indent=1)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    main()

@@ -1,0 +1,147 @@
+"""Models, synthetic data and optimizers for scripts/bench.py.
+
+Every model is built on CPU under a fixed seed; its data is a small pool of
+synthetic CPU batches (fixed seed too), so every system trains on the same
+numbers. `MODELS[name]` gives a spec: build() -> model, batches(seed) -> list of
+(x, y), loss(out, y), optimizer(params), and whether it has dropout.
+"""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+POOL = 4  # distinct synthetic batches, cycled over the steps
+
+
+class LeNet5(nn.Module):
+    def __init__(self, num_classes=10):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 6, kernel_size=5, padding=2)
+        self.conv2 = nn.Conv2d(6, 16, kernel_size=5)
+        self.fc1 = nn.Linear(16 * 5 * 5, 120)
+        self.fc2 = nn.Linear(120, 84)
+        self.fc3 = nn.Linear(84, num_classes)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        x = torch.flatten(x, 1)
+        x = F.relu(self.fc1(x))
+        x = F.relu(self.fc2(x))
+        return F.log_softmax(self.fc3(x), dim=1)
+
+
+class MnistNet(nn.Module):
+    """The PyTorch examples MNIST Net."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 32, 3, 1)
+        self.conv2 = nn.Conv2d(32, 64, 3, 1)
+        self.dropout1 = nn.Dropout(0.25)
+        self.dropout2 = nn.Dropout(0.5)
+        self.fc1 = nn.Linear(9216, 128)
+        self.fc2 = nn.Linear(128, 10)
+
+    def forward(self, x):
+        x = F.relu(self.conv1(x))
+        x = F.relu(self.conv2(x))
+        x = F.max_pool2d(x, 2)
+        x = self.dropout1(x)
+        x = torch.flatten(x, 1)
+        x = F.relu(self.fc1(x))
+        x = self.dropout2(x)
+        x = self.fc2(x)
+        return F.log_softmax(x, dim=1)
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(784, 1024)
+        self.fc2 = nn.Linear(1024, 1024)
+        self.fc3 = nn.Linear(1024, 10)
+
+    def forward(self, x):
+        x = torch.flatten(x, 1)
+        x = F.relu(self.fc1(x))
+        x = F.relu(self.fc2(x))
+        return self.fc3(x)
+
+
+class GPT(nn.Module):
+    """A small GPT-style decoder: token + position embeddings, pre-norm
+    nn.TransformerEncoderLayer blocks with a causal mask (GELU MLP, no dropout),
+    final LayerNorm, linear LM head."""
+
+    def __init__(self, vocab=1000, d_model=256, nhead=4, layers=2, seq=128):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d_model)
+        self.pos = nn.Parameter(torch.randn(1, seq, d_model) * 0.02)
+        self.blocks = nn.ModuleList(
+            nn.TransformerEncoderLayer(
+                d_model, nhead, dim_feedforward=4 * d_model, dropout=0.0,
+                activation="gelu", batch_first=True, norm_first=True,
+            )
+            for _ in range(layers)
+        )
+        self.norm = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab)
+        # a buffer, so it moves to the device with the model
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(seq), persistent=False)
+
+    def forward(self, idx):
+        x = self.tok(idx) + self.pos
+        for block in self.blocks:
+            x = block(x, src_mask=self.mask, is_causal=True)
+        return self.head(self.norm(x))
+
+
+def _images(batch, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randn(batch, 1, 28, 28, generator=g), torch.randint(0, 10, (batch,), generator=g))
+        for _ in range(POOL)
+    ]
+
+
+def _tokens(batch, seed, vocab=1000, seq=128):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(POOL):
+        ids = torch.randint(0, vocab, (batch, seq + 1), generator=g)
+        out.append((ids[:, :-1].contiguous(), ids[:, 1:].contiguous()))
+    return out
+
+
+def _nll(out, y):
+    return F.nll_loss(out, y)
+
+
+def _ce(out, y):
+    return F.cross_entropy(out, y)
+
+
+def _lm_ce(out, y):
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=0.01, momentum=0.9)
+
+
+def _adamw(params):
+    return torch.optim.AdamW(params, lr=1e-3)
+
+
+class Spec:
+    def __init__(self, build, batches, loss, optimizer, dropout=False):
+        self.build, self.batches, self.loss, self.optimizer, self.dropout = build, batches, loss, optimizer, dropout
+
+
+MODELS = {
+    "lenet-b1": Spec(LeNet5, lambda s: _images(1, s), _nll, _sgd),
+    "lenet-b64": Spec(LeNet5, lambda s: _images(64, s), _nll, _sgd),
+    "mnist-b64": Spec(MnistNet, lambda s: _images(64, s), _nll, _sgd, dropout=True),
+    "mlp-b128": Spec(MLP, lambda s: _images(128, s), _ce, _sgd),
+    "gpt2l-b8": Spec(GPT, lambda s: _tokens(8, s), _lm_ce, _adamw),
+}
