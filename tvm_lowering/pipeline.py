@@ -1,11 +1,13 @@
 """Targets and the pass pipeline that turns a Relax module into an executable."""
 import dataclasses
+import os
 import functools
 
 import tvm
 from tvm import relax
 
 from .library_dispatch import library_dispatch
+from .schedules import cpu_schedule
 
 DEVICES = ("CPU", "GPU")
 
@@ -41,6 +43,18 @@ def _host_cpu() -> str:
     return str(tvm.target.codegen.llvm_get_system_cpu()) if hasattr(tvm.target, "codegen") else "generic"
 
 
+def _cpu_pipeline():
+    """TVM's CPU pipeline with ratex's schedules applied to the fused kernels."""
+    from tvm.relax.backend.cpu_generic import pipeline as cpu
+    return (
+        cpu.library_dispatch_passes(None)
+        + cpu.legalize_passes(None)
+        + [cpu_schedule()]
+        + cpu.dataflow_lower_passes(None)
+        + cpu.finalize_passes(None)
+    )
+
+
 def build(mod: tvm.IRModule, target: Target, library: bool = False):
     """Compile `mod` with fusion (FuseOps/FuseTIR) for `target`; return a tvm executable.
 
@@ -51,6 +65,9 @@ def build(mod: tvm.IRModule, target: Target, library: bool = False):
     cleanup = [relax.transform.EliminateCommonSubexpr(), relax.transform.DeadCodeElimination()]
     if library:
         cleanup.append(library_dispatch)
-    pipeline = tvm.transform.Sequential(cleanup + [relax.get_default_pipeline(target.tvm)])
+    if target.kind == "CPU" and os.environ.get("RATEX_CPU_SCHEDULE", "1") != "0":
+        pipeline = tvm.transform.Sequential(cleanup + _cpu_pipeline())
+    else:
+        pipeline = tvm.transform.Sequential(cleanup + [relax.get_default_pipeline(target.tvm)])
     with target.tvm:
         return tvm.compile(mod, target=target.tvm, relax_pipeline=pipeline)

@@ -1,0 +1,68 @@
+"""CPU schedules for the TVM-generated kernels (everything not sent to the kernel library).
+
+TVM's default CPU pipeline leaves every kernel a serial loop nest. These rules
+give fused elementwise kernels a parallel outer loop and a vectorized inner
+one, and reuse dlight's CPU rule for reductions (softmax, norms); its GEMV rule
+broke native_batch_norm_backward's kernels, so it is left out. A
+rule that does not fit a kernel leaves it as it was.
+"""
+from tvm import s_tir, tirx
+from tvm.s_tir import dlight
+from tvm.s_tir.dlight.analysis import normalize_prim_func
+from tvm.s_tir.dlight.base.common_schedules import try_inline
+from tvm.s_tir.dlight.base.utils import get_extent
+from tvm.s_tir.dlight.cpu.base import CPUScheduleRule
+
+_VECTOR = 16  # float32 lanes of one AVX-512 register; LLVM splits it for narrower ISAs
+_MIN_PARALLEL = 4096  # below this a parallel region costs more than it saves
+
+
+class Injective(CPUScheduleRule):
+    """Fused elementwise kernels: inline producers, then parallel outer + vectorized inner loop."""
+
+    def apply(self, func, target, _tunable):
+        if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
+            return None
+        sch = s_tir.Schedule(func)
+        infos = normalize_prim_func(sch)
+        if not infos or not all(info.is_injective() and _writes_own_point(sch.get(info.block_rv)) for info in infos):
+            return None
+        for info in try_inline(sch, list(infos)):
+            loops = sch.get_loops(info.block_rv)
+            extents = [get_extent(sch, loop) for loop in loops]
+            if not loops or any(not isinstance(e, int) or e <= 0 for e in extents):
+                continue  # empty or symbolic: nothing worth scheduling
+            fused = sch.fuse(*loops)
+            extent = get_extent(sch, fused)
+            if not isinstance(extent, int) or extent < _MIN_PARALLEL:
+                continue
+            if extent % _VECTOR == 0:
+                outer, inner = sch.split(fused, [None, _VECTOR])
+                sch.parallel(outer)
+                sch.vectorize(inner)
+            else:
+                sch.parallel(fused)
+        return sch
+
+
+def _writes_own_point(block) -> bool:
+    """Whether each iteration writes only the element its own iterators name.
+
+    "Injective" in dlight's sense only means all block iterators are spatial;
+    a scatter (embedding backward, index_put) is spatial too but writes where
+    the data says, and running its iterations in parallel would race.
+    """
+    own = {iv.var for iv in block.iter_vars}
+    for region in block.writes:
+        if any(not (isinstance(r.extent, tirx.IntImm) and r.extent.value == 1) for r in region.region):
+            return False
+        if any(not isinstance(r.min, tirx.Var) or r.min not in own for r in region.region):
+            return False
+        if any(read.source.same_as(region.source) for read in block.reads):
+            return False
+    return True
+
+
+def cpu_schedule():
+    """The pass that applies ratex's CPU schedule rules to unscheduled kernels."""
+    return dlight.ApplyDefaultSchedule(Injective(), dlight.cpu.Reduction())
