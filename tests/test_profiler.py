@@ -100,6 +100,8 @@ def test_save_ir(fresh, tmp_path, monkeypatch):
     assert text.count("==== graph ") == 1  # the second step was a cache hit: nothing appended
     assert "aten.mm.default(%" in text and "-> (3, 2) float32" in text
     assert "@I.ir_module" in text and "R.function" in text and "R.nn.relu" in text
+    created = text.split("-- created by")[1].split("-- lazy IR")[0]
+    assert "test_profiler.py" in created and "in _step" in created  # the user code that made the roots
 
 
 def test_graph_text_runs_nothing(dev):

@@ -11,7 +11,7 @@ import tvm_lowering
 from tvm_lowering import disk_cache
 from .. import config
 from . import kernels  # noqa: F401  (registers the ratex.lib.* kernel library)
-from . import metrics
+from . import metrics, progress
 from .device import backend
 from .graph import Graph, to_fx
 
@@ -44,6 +44,11 @@ def use_library(kind: str) -> bool:
 
 def compile_graph(graph: Graph) -> Program:
     """Lower and compile `graph` for the configured target (raises LoweringError)."""
+    with progress.compiling(f"a graph of {len(graph.nodes)} ops"):
+        return _compile(graph)
+
+
+def _compile(graph: Graph) -> Program:
     be = backend()
     with metrics.timed("LowerTime"):
         library = use_library(be.target.kind)
@@ -73,13 +78,23 @@ def graph_hash(graph: Graph) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def _origins(graph: Graph) -> str:
+    """The user code lines that recorded the graph's roots, most recent call last."""
+    lines = []
+    for node, _ in graph.roots:
+        for line in node.origin or ():
+            if line not in lines:
+                lines.append(line)
+    return "\n".join(f"  {line}" for line in lines) or "  (unknown)"
+
+
 def _save_ir(graph: Graph, mod):
     from ..debug import format_graph  # noqa: PLC0415  (debug imports the core)
 
     text = (
         f"==== graph {graph_hash(graph)}  compiled {time.strftime('%Y-%m-%d %H:%M:%S')}"
         f"  ({len(graph.nodes)} ops, {len(graph.leaves)} inputs, {len(graph.roots)} outputs)\n"
-        f"-- lazy IR\n{format_graph(graph)}\n-- Relax\n{mod.script()}\n"
+        f"-- created by\n{_origins(graph)}\n-- lazy IR\n{format_graph(graph)}\n-- Relax\n{mod.script()}\n"
     )
     with open(config.SAVE_IR, "a", encoding="utf-8") as f:
         f.write(text)

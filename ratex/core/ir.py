@@ -52,7 +52,7 @@ def slot(i: int) -> Slot:
 class Node:
     """One recorded ATen op (or a device-data leaf when `op` is None)."""
 
-    __slots__ = ("op", "spec", "inputs", "metas", "multi", "key", "results", "__weakref__")
+    __slots__ = ("op", "spec", "inputs", "metas", "multi", "key", "results", "origin", "__weakref__")
 
     def __init__(self, op, spec, inputs, metas, multi=False):
         self.op = op
@@ -62,6 +62,7 @@ class Node:
         self.metas = metas
         self.key = (op, spec, metas)
         self.results = [None] * len(metas)
+        self.origin = None  # user frames that recorded this node (kept only with RATEX_SAVE_IR)
 
     @classmethod
     def leaf(cls, data, meta: Meta) -> "Node":

@@ -6,8 +6,13 @@ the base to this tensor. Reads replay the chain when the storage changed;
 in-place writes compute the new value functionally and scatter it back through
 the chain (`*_scatter` ops), so a write through any view is seen by all.
 """
+import os
+import traceback
+
 import torch
 from torch.utils._pytree import tree_map
+
+from .. import config
 
 from . import composite, metrics, ops, sync  # noqa: F401
 from .device import LAZY, backend
@@ -34,6 +39,8 @@ class Storage:
         self.version += 1
         if value[0].results[value[1]] is None:
             sync.track(self)
+            if config.SAVE_IR:
+                _note_origin(value[0])
 
     def rebind(self):
         """After a sync, point at a fresh data leaf so the op graph behind it can be freed."""
@@ -41,6 +48,15 @@ class Storage:
         data = node.results[idx]
         if data is not None and node.op is not None:
             self.value = (Node.leaf(data, node.metas[idx]), 0)
+
+
+_INTERNAL = (os.sep + "ratex" + os.sep, os.sep + "torch" + os.sep, os.sep + "tvm" + os.sep)
+
+
+def _note_origin(node):
+    """Remember the user's frames that produced `node` (for RATEX_SAVE_IR dumps)."""
+    frames = [f for f in traceback.extract_stack(limit=40)[:-2] if not any(p in f.filename for p in _INTERNAL)]
+    node.origin = [f"{f.filename}:{f.lineno} in {f.name}" for f in frames[-3:]]
 
 
 def _contiguous_strides(shape):
@@ -76,6 +92,8 @@ class LazyTensor(torch.Tensor):
         st = Storage(value)
         if node.results[idx] is None:
             sync.track(st)
+            if config.SAVE_IR:
+                _note_origin(node)
         return cls(st, (), node.metas[idx], stride, offset)
 
     @classmethod
