@@ -34,7 +34,7 @@ at the end of every mark_step, no code change needed.
 
 While a profiler is active (or RATEX_PROFILE=1), programs run before
 mark_step returns, so each phase is timed on its own; without it, execution
-of step N overlaps tracing of step N+1 (see ratex/core/sync.py).
+of step N overlaps tracing of step N+1 (see ratex/core/launch.py).
 """
 import contextlib
 import json
@@ -44,7 +44,7 @@ import threading
 import time
 
 from . import config
-from .core import metrics, sync
+from .core import launch, metrics
 
 __all__ = ["Profiler", "COLUMNS"]
 
@@ -165,7 +165,7 @@ class Profiler:
 
     # ---- lifecycle ------------------------------------------------------------------
     def __enter__(self):
-        sync.serialize(True)  # phases are timed one after another: no overlap while profiling
+        launch.serialize(True)  # phases are timed one after another: no overlap while profiling
         self._t0 = self._step_t0 = time.perf_counter()
         self._window = _Window()
         self._window.start = self._t0
@@ -173,7 +173,7 @@ class Profiler:
         return self
 
     def __exit__(self, *exc):
-        sync.serialize(False)
+        launch.serialize(False)
         metrics.remove_listener(self._on_event)
         if self._window is not None and (self._regions or self._window.syncs):
             self.step()  # a last mini-batch that was not closed with step()
@@ -279,7 +279,7 @@ _printer = None
 def _enable_env_profile():
     global _printer
     if _printer is None:
-        sync.serialize(True)
+        launch.serialize(True)
         _printer = _StepPrinter()
         metrics.add_listener(_printer)
 

@@ -1,21 +1,14 @@
 """Sync points: compute pending values, through the compile cache, and keep the results.
 
-Execution is asynchronous: a compiled program is handed to one worker thread
-(programs run in launch order) and its outputs become `Pending` device data
-at once, so Python traces step N+1 while step N runs (the Relax VM releases the
-GIL inside kernels). Whatever needs the values themselves (`.cpu()`, `.item()`,
-an eager fallback) waits for them with `resolve`. An error while executing is
-raised at the next sync point, naming the graph and the error, and the tensors
-of the failed step go back to the values they had before it.
+Programs are launched asynchronously (see launch.py); this module decides what
+to compile or run eagerly and hands compiled programs over.
 """
-import os
-import queue
-import threading
 import warnings
 import weakref
 
 import tvm_lowering
-from . import metrics
+from . import launch, metrics
+from .launch import ExecutionError, Pending, resolve  # noqa: F401  (the sync API)
 from .device import backend
 from .executor import compile_graph, load_program
 from .graph import cut
@@ -50,122 +43,6 @@ def pending_storages() -> list:
     return out
 
 
-class ExecutionError(RuntimeError):
-    """A launched program failed while running."""
-
-
-class _Job:
-    """One launched program run: inputs in, outputs (or an error) out."""
-
-    __slots__ = ("program", "inputs", "targets", "pendings", "outs", "error", "done", "restore", "label")
-
-    def __init__(self, program, inputs, targets, label):
-        self.program, self.inputs, self.targets, self.label = program, inputs, targets, label
-        self.outs = self.error = None
-        self.restore = _restore_ctx[0]
-        self.pendings = [Pending(self, k) for k in range(len(targets))]
-        self.done = threading.Event()
-
-    def run(self):
-        try:
-            inputs = [resolve(x) for x in self.inputs]
-            with metrics.timed("ExecuteTime"):
-                self.outs = self.program.run(inputs)
-            for (node, idx), out, pending in zip(self.targets, self.outs, self.pendings):
-                node.results[idx] = out  # replaces the Pending: later reads skip the indirection
-                pending.data, pending.job = out, None  # copies of the Pending elsewhere let go of the job
-            self.restore = None
-        except BaseException as err:  # noqa: BLE001 - reported at the next sync point
-            self.error = err
-            _failed.append(self)
-        finally:
-            self.inputs = self.targets = self.pendings = None
-            self.done.set()
-
-    def result(self, k):
-        self.done.wait()
-        if self.error is not None:
-            raise ExecutionError(f"ratex: executing {self.label} failed: {self.error}") from self.error
-        return self.outs[k]
-
-
-class Pending:
-    """Device data that a launched program will produce."""
-
-    __slots__ = ("job", "index", "data")
-
-    def __init__(self, job, index):
-        self.job, self.index, self.data = job, index, None
-
-    def get(self):
-        job = self.job
-        return self.data if job is None else job.result(self.index)
-
-
-def resolve(data):
-    """Return device data, waiting for the program that produces it if it is still running."""
-    return data.get() if type(data) is Pending else data
-
-
-ASYNC = os.environ.get("RATEX_ASYNC", "1").strip().lower() not in ("0", "false", "no", "off")
-_queue = queue.Queue()
-_failed = []
-_worker = None
-
-
-def _work():
-    while True:
-        job = _queue.get()
-        try:
-            job.run()
-        finally:
-            _queue.task_done()
-
-
-_serial = [0]  # > 0 while something (the profiler) needs each program run before mark_step returns
-
-
-def serialize(on: bool):
-    """Run programs synchronously while `on` requests are outstanding (nestable)."""
-    if on:
-        wait_device_ops()
-    _serial[0] += 1 if on else -1
-
-
-def _launch(job):
-    global _worker
-    if not ASYNC or _serial[0] > 0:
-        job.run()
-        return
-    if _worker is None:
-        _worker = threading.Thread(target=_work, name="ratex-executor", daemon=True)
-        _worker.start()
-    _queue.put(job)
-
-
-def _drain():
-    """Wait until the worker has run everything launched so far."""
-    if _worker is not None:
-        _queue.join()
-
-
-def _raise_failures():
-    """Raise the first execution error since the last sync, after rolling its tensors back."""
-    if not _failed:
-        return
-    jobs = list(_failed)
-    _failed.clear()
-    for job in jobs:
-        for storage, previous in job.restore or ():
-            if storage.value[0].results[storage.value[1]].__class__ is Pending and previous is not None:
-                storage.value = previous
-    job = jobs[0]
-    raise ExecutionError(
-        f"ratex: executing {job.label} failed: {type(job.error).__name__}: {job.error}. "
-        "The tensors that step would have written keep their previous values."
-    ) from job.error
-
-
 _depth = 0  # execute() nests (eager fallbacks); only the outermost call is a "Sync" span
 
 
@@ -174,7 +51,7 @@ def execute(values: list):
     global _depth
     if _depth:
         return _execute(values)
-    _raise_failures()
+    launch.raise_failures()
     _depth += 1
     try:
         with metrics.span("Sync"):
@@ -191,7 +68,7 @@ def _execute(values: list):
         graph = cut(roots)
         program = _cache.get(graph.key)
         if program is None:
-            _drain()  # no compiling or loading while a program runs: TVM's codegen isn't safe next to it
+            launch.drain()  # no compiling or loading while a program runs: TVM's codegen isn't safe next to it
         if program is None and (program := load_program(graph)) is not None:
             _cache.put(graph.key, program)  # from the persistent cache (RATEX_CACHE_DIR)
         elif program is None:
@@ -225,15 +102,13 @@ def _execute(values: list):
         else:
             metrics.counter_inc("CachedCompile")
         inputs = [node.results[idx] for node, idx in graph.leaves]
-        job = _Job(program, inputs, roots, f"graph {_label(graph)} ({len(graph.nodes)} ops)")
+        job = launch.Job(program, inputs, roots, f"graph {_label(graph)} ({len(graph.nodes)} ops)")
         for (node, idx), pending in zip(roots, job.pendings):
             node.set_result(idx, pending)
-        _launch(job)
+        launch.launch(job)
         return
 
 
-# (storage, previous value) pairs of the mark_step in progress: every job it launches can roll them back
-_restore_ctx = [()]
 
 
 def _label(graph) -> str:
@@ -279,11 +154,8 @@ def mark_step():
     with metrics.span("MarkStep"):
         storages = pending_storages()
         _pending.clear()
-        _restore_ctx[0] = [(st, st.prev) for st in storages]
-        try:
+        with launch.rollback_point([(st, st.prev) for st in storages]):
             execute([st.value for st in storages])
-        finally:
-            _restore_ctx[0] = ()
         for st in storages:
             st.rebind()
     if _step_closures:
@@ -296,9 +168,8 @@ def mark_step():
 
 def wait_device_ops():
     """Block until all launched programs have run; raise if one of them failed."""
-    if _worker is not None:
-        _queue.join()
-    _raise_failures()
+    launch.drain()
+    launch.raise_failures()
 
 
 def reset_cache():

@@ -14,7 +14,7 @@ from torch.utils._pytree import tree_map
 
 from .. import config
 
-from . import composite, metrics, ops, sync  # noqa: F401
+from . import composite, launch, metrics, ops, sync  # noqa: F401
 from .device import LAZY, backend
 from .ir import Meta, Node
 
@@ -127,7 +127,7 @@ class LazyTensor(torch.Tensor):
             if not self._chain:
                 self._st.rebind()
         node, idx = value
-        return sync.resolve(node.results[idx])
+        return launch.resolve(node.results[idx])
 
     def _to_cpu(self) -> torch.Tensor:
         return backend().download(self._device_data())
