@@ -127,6 +127,7 @@ def _disk_cache():
         salt = "|".join([
             f"tvm={tvm.__version__}", f"target={be.target.key}", f"ratex={ratex.__version__}",
             f"code={code}", f"aliasing={config.PARAM_ALIASING}", f"kernels={getattr(config, 'KERNELS', None)}",
+            f"cpu_schedule={os.environ.get('RATEX_CPU_SCHEDULE', '1')}",
         ])
         cache = _disk[(root, limit)] = disk_cache.DiskCache(root, limit, salt)
     return cache

@@ -132,7 +132,7 @@ def _collect(func, args, kwargs):
     return spec, values, tuple(metas)
 
 
-def _wrap(node, out, view_of=None):
+def _wrap(node, out):
     outs = [
         None if m is None else tensor.LazyTensor.from_value((node, i), out.strides[i], out.offsets[i])
         for i, m in enumerate(out.metas)
