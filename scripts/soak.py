@@ -12,23 +12,10 @@ import time
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 import ratex
 import ratex.lazy_tensor_core.core.lazy_model as lm
-
-
-class LeNet5(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv1 = nn.Conv2d(1, 6, 5, padding=2)
-        self.conv2 = nn.Conv2d(6, 16, 5)
-        self.fc1, self.fc2, self.fc3 = nn.Linear(400, 120), nn.Linear(120, 84), nn.Linear(84, 10)
-
-    def forward(self, x):
-        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
-        x = F.max_pool2d(F.relu(self.conv2(x)), 2).flatten(1)
-        return F.log_softmax(self.fc3(F.relu(self.fc2(F.relu(self.fc1(x))))), 1)
+from bench_models import LeNet5  # scripts/ is on sys.path when run as a script
 
 
 def rss_mb() -> float:

@@ -12,7 +12,6 @@ import json
 import os
 
 import pytest
-import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _spec = importlib.util.spec_from_file_location("ratex_conformance", os.path.join(ROOT, "scripts", "conformance.py"))

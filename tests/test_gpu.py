@@ -13,26 +13,13 @@ import ratex.lazy_tensor_core.core.lazy_model as lm
 import tvm_lowering
 from ratex.core import graph, sync
 
+from models import LeNet5
+
 HAS_GPU = tvm.cuda(0).exist
 
 
-class LeNet(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.c1 = torch.nn.Conv2d(1, 6, 5, padding=2)
-        self.c2 = torch.nn.Conv2d(6, 16, 5)
-        self.f1 = torch.nn.Linear(400, 120)
-        self.f2 = torch.nn.Linear(120, 84)
-        self.f3 = torch.nn.Linear(84, 10)
-
-    def forward(self, x):
-        x = F.max_pool2d(F.relu(self.c1(x)), 2)
-        x = F.max_pool2d(F.relu(self.c2(x)), 2).flatten(1)
-        return F.log_softmax(self.f3(F.relu(self.f2(F.relu(self.f1(x))))), 1)
-
-
 def test_lenet_training_step_builds_for_cuda(dev):
-    model = LeNet().to(dev)
+    model = LeNet5().to(dev)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     loss = F.nll_loss(model(torch.randn(2, 1, 28, 28).to(dev)), torch.tensor([1, 2]).to(dev))
     loss.backward()

@@ -10,7 +10,7 @@ instead of returning wrong numbers.
 import functools
 
 from torch import fx
-from tvm import relax
+from tvm import IRModule, relax
 from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
 
 from . import dtypes
@@ -84,7 +84,7 @@ def _check(node: fx.Node, expr: relax.Expr):
             raise LoweringError(node, f"rule produced {g}, PyTorch says {w}")
 
 
-def import_graph(graph: fx.Graph, name: str = "main", library: bool = False) -> "tvm.IRModule":  # noqa: F821
+def import_graph(graph: fx.Graph, name: str = "main", library: bool = False) -> IRModule:
     """Return an IRModule whose `name` function computes `graph`'s outputs as a tuple.
 
     With `library`, matmul and convolution become calls to the `ratex.lib.*`

@@ -324,7 +324,7 @@ def convert(graph, input_metas, attr_metas, diff_inputs=(), diff_attrs=None) -> 
     fxg.lint()
     mod = import_graph(fxg, name="fwd")
     fwd = mod["fwd"]
-    n_in, n_attr = conv.n_inputs, len(conv.attr_paths)
+    n_in = conv.n_inputs
     diff = [i for i in diff_inputs if input_metas[i][1].is_floating_point]
     for j, path in enumerate(conv.attr_paths):
         if (diff_attrs is None or path in diff_attrs) and attr_metas[path][1].is_floating_point:

@@ -7,11 +7,18 @@ precedence over the ones inherited from `tvm.relax.frontend.torch`.
 RULES = {}
 
 
-def rule(*names):
-    """Register `fn` as the lowering rule of each ATen overload in `names`."""
+def rule(*names, wraps=False):
+    """Register `fn` as the lowering rule of each ATen overload in `names`.
+
+    A second rule for the same overload is an error unless it says `wraps=True`
+    (it calls the one it replaces, as the library rules do): two modules
+    silently shadowing each other is how a fix gets lost.
+    """
 
     def register(fn):
         for name in names:
+            if name in RULES and not wraps:
+                raise ValueError(f"a lowering rule for {name} is already registered ({RULES[name]})")
             RULES[name] = fn
         return fn
 

@@ -1,28 +1,12 @@
-"""Guards and fixes for TVM rules whose results differ from PyTorch on some arguments.
+"""Fixes for TVM rules whose results differ from PyTorch on some arguments.
 
-Each rule here delegates to TVM's own rule for the cases it gets right and
-raises for the rest, so those calls run eagerly instead of silently wrong.
+Each rule here replaces a TVM rule that computed something else (found by the
+OpInfo conformance run), delegating to TVM where its rule is right.
 """
 from tvm import relax
 
 from . import rule
-
-
-class Unsupported(NotImplementedError):
-    """The rule does not handle these arguments; the op runs eagerly."""
-
-
-def _arg(node, index, name, default=None):
-    if len(node.args) > index:
-        return node.args[index]
-    return node.kwargs.get(name, default)
-
-
-@rule("avg_pool2d.default")
-def avg_pool2d(imp, node):
-    if _arg(node, 6, "divisor_override") is not None:
-        raise Unsupported("avg_pool2d with divisor_override")
-    return imp._avg_pool2d(node)
+from .nn import arg as _arg
 
 
 @rule("sum.dim_IntList")

@@ -4,7 +4,7 @@ import math
 from tvm import relax, te, tirx
 
 from . import rule
-from .nn import arg, cast, dtype, emit, emit_te, env, nll_pick, out_meta, pair, scalar, shape, tuple_out, zeros
+from .nn import arg, cast, dtype, emit, emit_te, env, nll_pick, out_meta, pair, pool_window, scalar, shape, tuple_out, zeros
 
 op = relax.op
 
@@ -272,10 +272,7 @@ def _avg_pool_bwd_te(g, H, W, kernel, stride, padding, ceil_mode, count_include_
 def avg_pool2d_backward(imp, node):
     g = env(imp, node.args[0])
     x = env(imp, node.args[1])
-    kernel = pair(arg(node, 2, "kernel_size"))
-    stride = arg(node, 3, "stride")
-    stride = pair(stride) if stride else kernel
-    padding = pair(arg(node, 4, "padding"))
+    kernel, stride, padding = pool_window(node, first=2)
     ceil_mode = arg(node, 5, "ceil_mode")
     cip = arg(node, 6, "count_include_pad")
     divisor = arg(node, 7, "divisor_override")

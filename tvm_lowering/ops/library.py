@@ -50,7 +50,7 @@ def _library_rule(name, build):
             return fallback(imp, node)
         return build(imp, node)
 
-    rule(name)(lower)
+    rule(name, wraps=True)(lower)
 
 
 def _mm(imp, node):

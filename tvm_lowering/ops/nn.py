@@ -150,13 +150,20 @@ def _maxpool_te(x, kernel, stride, padding, dilation, out_hw):
     return vals, inds
 
 
+def pool_window(node, first=1):
+    """(kernel, stride, padding) of a 2-D pooling call whose kernel_size is argument `first`.
+
+    stride defaults to the kernel, as in PyTorch.
+    """
+    kernel = pair(arg(node, first, "kernel_size"))
+    stride = arg(node, first + 1, "stride", None)
+    return kernel, pair(stride) if stride else kernel, pair(arg(node, first + 2, "padding", 0))
+
+
 @rule("max_pool2d_with_indices.default")
 def max_pool2d_with_indices(imp, node):
     x = env(imp, node.args[0])
-    kernel = pair(arg(node, 1, "kernel_size"))
-    stride = arg(node, 2, "stride", None)
-    stride = pair(stride) if stride else kernel
-    padding = pair(arg(node, 3, "padding", 0))
+    kernel, stride, padding = pool_window(node)
     dilation = pair(arg(node, 4, "dilation", 1))
     out_shape, _ = out_meta(node, 0)
     out = emit_te(imp, _maxpool_te, x, kernel, stride, padding, dilation, out_shape[-2:])
@@ -338,10 +345,7 @@ def _avg_pool_te(x, kernel, stride, padding, out_hw, count_include_pad, divisor)
 def avg_pool2d(imp, node):
     """TVM's rule ignores divisor_override; this one follows PyTorch's CPU kernel."""
     x = env(imp, node.args[0])
-    kernel = pair(arg(node, 1, "kernel_size"))
-    stride = arg(node, 2, "stride", None)
-    stride = pair(stride) if stride else kernel
-    padding = pair(arg(node, 3, "padding", 0))
+    kernel, stride, padding = pool_window(node)
     cip = arg(node, 5, "count_include_pad", True)
     divisor = arg(node, 6, "divisor_override", None)
     out_shape, _ = out_meta(node)

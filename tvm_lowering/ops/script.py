@@ -10,23 +10,21 @@ from tvm import relax
 from . import rule
 
 
-@rule("script_fwd.default")
-def _script_fwd(importer, node):
+def _inline(importer, node, which):
+    """Emit the stored Relax function `which` ('fwd' or 'bwd') of the script named by the node's key."""
     from .. import torchscript
 
     key, args = node.args[0], node.args[1]
-    script = torchscript.lookup(key)
-    bb = importer.block_builder
-    out = torchscript.inline(bb, script.fwd, [importer.env[a] for a in args])
-    return bb.emit(out) if not isinstance(out, relax.Var) else out
+    fn = getattr(torchscript.lookup(key), which)
+    return torchscript.inline(importer.block_builder, fn, [importer.env[a] for a in args])
+
+
+@rule("script_fwd.default")
+def _script_fwd(importer, node):
+    out = _inline(importer, node, "fwd")
+    return importer.block_builder.emit(out) if not isinstance(out, relax.Var) else out
 
 
 @rule("script_bwd.default")
 def _script_bwd(importer, node):
-    from .. import torchscript
-
-    key, args = node.args[0], node.args[1]
-    script = torchscript.lookup(key)
-    bb = importer.block_builder
-    out = torchscript.inline(bb, script.bwd, [importer.env[a] for a in args])
-    return bb.emit(relax.TupleGetItem(out, 1))
+    return importer.block_builder.emit(relax.TupleGetItem(_inline(importer, node, "bwd"), 1))
