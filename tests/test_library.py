@@ -14,12 +14,24 @@ def _module():
     w = relax.Var("w", relax.TensorType((4, 3, 3, 3), "float32"))
     wt = relax.Var("wt", relax.TensorType((4, 2, 3, 3), "float32"))
     m = relax.Var("m", relax.TensorType((5, 7), "float32"))
-    with bb.function("main", [x, w, wt, m]):
+    dy = relax.Var("dy", relax.TensorType((2, 4, 5, 5), "float32"))
+    dp = relax.Var("dp", relax.TensorType((2, 3, 5, 5), "float32"))
+    with bb.function("main", [x, w, wt, m, dy, dp]):
         with bb.dataflow():
             c = bb.emit(relax.op.nn.conv2d(x, w, strides=[2, 2], padding=[1, 0, 1, 2], dilation=[1, 1]))
             t = bb.emit(relax.op.nn.conv2d_transpose(c, wt, strides=[2, 2], padding=[1, 1, 1, 1], output_padding=[1, 1]))
             mm = bb.emit(relax.op.matmul(m, relax.op.permute_dims(m)))
-            out = bb.emit_output(relax.Tuple([c, t, mm]))
+            # what relax Gradient emits for the weight of conv2d(x, w, stride 2, padding 1) ...
+            gw = bb.emit(relax.op.nn.conv2d(
+                x, dy, strides=[1, 1], padding=[1, 1, 1, 1], dilation=[2, 2],
+                data_layout="CNHW", kernel_layout="IOHW", out_layout="CNHW",
+            ))
+            # ... and for pooling: overlapping windows, padding, ceil_mode
+            gmax = bb.emit(relax.op.grad.max_pool2d_backward(dp, x, [3, 3], [2, 2], [1, 1, 1, 1], [1, 1], ceil_mode=True))
+            gavg = bb.emit(relax.op.grad.avg_pool2d_backward(
+                dp, x, [3, 3], [2, 2], [1, 1, 1, 1], [1, 1], ceil_mode=True, count_include_pad=False,
+            ))
+            out = bb.emit_output(relax.Tuple([c, t, mm, gw, gmax, gavg]))
         bb.emit_func_output(out)
     return bb.get()
 
@@ -27,16 +39,20 @@ def _module():
 def _run(library):
     mod = _module()
     rng = np.random.default_rng(0)
-    args = [tvm.runtime.tensor(rng.standard_normal(s).astype("float32")) for s in [(2, 3, 9, 9), (4, 3, 3, 3), (4, 2, 3, 3), (5, 7)]]
+    args = [
+        tvm.runtime.tensor(rng.standard_normal(s).astype("float32"))
+        for s in [(2, 3, 9, 9), (4, 3, 3, 3), (4, 2, 3, 3), (5, 7), (2, 4, 5, 5), (2, 3, 5, 5)]
+    ]
     vm = relax.VirtualMachine(build(mod, resolve_target("CPU"), library=library), tvm.cpu())
     return [o.numpy() for o in vm["main"](*args)]
 
 
 def test_pass_rewrites_heavy_ops():
     text = library_dispatch(_module()).script()
-    for name in ("conv2d", "conv2d_transpose", "matmul"):
+    for name in ("conv2d", "conv2d_transpose", "matmul", "conv2d_weight_grad", "max_pool2d_backward",
+                 "avg_pool2d_backward"):
         assert f'"ratex.lib.{name}"' in text
-    assert "R.nn.conv2d(" not in text
+    assert "R.nn.conv2d(" not in text and "R.grad." not in text
 
 
 def test_library_matches_tvm_generated_code():

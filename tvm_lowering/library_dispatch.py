@@ -1,4 +1,4 @@
-"""A Relax pass that sends heavy ops (conv2d, conv2d_transpose, matmul) to the kernel library.
+"""A Relax pass that sends heavy ops (convolutions, matmul, pooling gradients) to the kernel library.
 
 The ATen-level rules in ops/library.py cover ops that arrive as ATen calls;
 this pass covers what is only Relax by the time it exists — the functions
@@ -24,6 +24,10 @@ def _ints(xs):
 
 def _dtype(expr):
     return str(expr.ty.dtype) if isinstance(expr.ty, relax.TensorType) else None
+
+
+def _either(rewritten, call):
+    return call if rewritten is None else rewritten  # (`or` would ask a relax Expr for its truth)
 
 
 @relax.expr_functor.mutator
@@ -55,9 +59,46 @@ class _Dispatch(relax.PyExprMutator):
                 dilation=_ints(a.dilation), groups=int(a.groups),
             )
             return self._packed("conv2d_transpose", call, [*call.args, cfg])
+        if name == "relax.nn.conv2d" and (a.data_layout, a.kernel_layout, a.out_layout) == ("CNHW", "IOHW", "CNHW"):
+            return _either(self._conv2d_weight_grad(call), call)
         if name == "relax.matmul" and all(_dtype(x) == _dtype(call) for x in call.args):
             return self._packed("matmul", call, list(call.args))
+        if name in ("relax.grad.max_pool2d_backward", "relax.grad.avg_pool2d_backward") and symmetric:
+            return _either(self._pool2d_grad(call, name.split(".")[-1]), call)
         return call
+
+    def _pool2d_grad(self, call, name):
+        """NCHW pooling gradients from relax Gradient, run by torch's kernels (TVM's pool_grad
+        is an unscheduled scatter: several ms per LeNet pool at batch 64)."""
+        a = call.attrs
+        dilation = _ints(a.dilation)
+        if (a.layout, a.out_layout) != ("NCHW", "NCHW") or (name.startswith("avg") and dilation != [1, 1]):
+            return None  # torch's avg_pool2d has no dilation
+        cfg = _attrs(
+            kernel=_ints(a.pool_size), stride=_ints(a.strides), padding=_ints(a.padding)[:2], dilation=dilation,
+            ceil_mode=bool(int(a.ceil_mode)), count_include_pad=bool(int(a.count_include_pad)),
+        )
+        return self._packed(name, call, [*call.args, cfg])
+
+    def _conv2d_weight_grad(self, call):
+        """relax Gradient's weight gradient of an NCHW conv: a conv of the input (read as CNHW)
+        with the output gradient (read as IOHW), where the forward's stride is this conv's
+        dilation and vice versa. Sent to torch's convolution_backward when the shapes are
+        exactly those of a forward conv's gradient; otherwise left to TVM."""
+        a = call.attrs
+        x, dy = call.args
+        pad = _ints(a.padding)
+        if int(a.groups) != 1 or pad[0] != pad[2] or pad[1] != pad[3]:
+            return None
+        stride, dilation = _ints(a.dilation), _ints(a.strides)  # the forward conv's
+        xs, gs, ws = (_ints(e.ty.shape) for e in (x, dy, call))
+        if (ws[0], ws[1]) != (gs[1], xs[1]):
+            return None
+        for i in (0, 1):  # the forward output size torch will expect of dy
+            if (xs[2 + i] + 2 * pad[i] - dilation[i] * (ws[2 + i] - 1) - 1) // stride[i] + 1 != gs[2 + i]:
+                return None
+        cfg = _attrs(stride=stride, padding=pad[:2], dilation=dilation, weight=ws)
+        return self._packed("conv2d_weight_grad", call, [x, dy, cfg])
 
     def _packed(self, name, call, args):
         return relax.op.call_pure_packed(f"ratex.lib.{name}", *args, ty_args=call.ty)

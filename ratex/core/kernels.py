@@ -78,6 +78,33 @@ def _conv2d_transpose(x, w, attrs):
     return _out(out)
 
 
+def _conv2d_weight_grad(x, dy, attrs):
+    cfg = _attrs(attrs)
+    weight = torch.empty(cfg["weight"], dtype=torch.from_dlpack(x).dtype)  # only its sizes are read
+    _, gw, _ = aten.convolution_backward.default(
+        torch.from_dlpack(dy), torch.from_dlpack(x), weight, None, cfg["stride"], cfg["padding"], cfg["dilation"],
+        False, [0, 0], 1, [False, True, False],
+    )
+    return _out(gw)
+
+
+def _max_pool2d_backward(dy, x, attrs):
+    cfg = _attrs(attrs)
+    args = (cfg["kernel"], cfg["stride"], cfg["padding"], cfg["dilation"], cfg["ceil_mode"])
+    xt = torch.from_dlpack(x)
+    _, indices = aten.max_pool2d_with_indices.default(xt, *args)
+    return _out(aten.max_pool2d_with_indices_backward.default(torch.from_dlpack(dy), xt, *args, indices))
+
+
+def _avg_pool2d_backward(dy, x, attrs):
+    cfg = _attrs(attrs)
+    out = aten.avg_pool2d_backward.default(
+        torch.from_dlpack(dy), torch.from_dlpack(x), cfg["kernel"], cfg["stride"], cfg["padding"], cfg["ceil_mode"],
+        cfg["count_include_pad"], None,
+    )
+    return _out(out)
+
+
 def _matmul(a, b):
     return _out(torch.matmul(torch.from_dlpack(a), torch.from_dlpack(b)))
 
@@ -97,5 +124,7 @@ def _convolution_backward(g, x, w, attrs):
 for _name, _fn in {
     "mm": _mm, "addmm": _addmm, "bmm": _bmm, "convolution": _convolution, "convolution_backward": _convolution_backward,
     "conv2d": _conv2d, "conv2d_transpose": _conv2d_transpose, "matmul": _matmul,
+    "conv2d_weight_grad": _conv2d_weight_grad, "max_pool2d_backward": _max_pool2d_backward,
+    "avg_pool2d_backward": _avg_pool2d_backward,
 }.items():
     tvm.register_global_func(f"ratex.lib.{_name}", _fn, override=True)
