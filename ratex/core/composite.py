@@ -18,6 +18,10 @@ def _matmul(a, b):
         return torch.matmul(a, b.unsqueeze(-1)).squeeze(-1)
     if a.dim() == 2 and b.dim() == 2:
         return torch.mm(a, b)
+    if b.dim() == 2:
+        # Fold a's batch dims into its rows, as ATen does: one mm, instead of a bmm on b
+        # broadcast to every batch entry (whose gradient then sums all those copies).
+        return torch.mm(a.reshape(-1, a.shape[-1]), b).reshape(*a.shape[:-1], b.shape[-1])
     batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     a3 = a.expand(*batch, *a.shape[-2:]).reshape(-1, *a.shape[-2:])
     b3 = b.expand(*batch, *b.shape[-2:]).reshape(-1, *b.shape[-2:])
