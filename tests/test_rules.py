@@ -229,6 +229,24 @@ def test_softmax_backwards():
     )
 
 
+def test_exp_and_sigmoid_keep_libm_results_at_the_edges():
+    # CPU kernels compute float32 exp with a polynomial (tvm_lowering/fastmath.py): check its
+    # accuracy over float32's range and its inf / 0 / NaN behaviour.
+    x = torch.cat([
+        torch.linspace(-90, 90, 4001),
+        torch.tensor([0.0, -0.0, 1e-8, -1e-8, 88.7, 88.8, -87.3, -87.4, -200.0, 200.0]),
+        torch.tensor([float("inf"), float("-inf"), float("nan")]),
+    ])
+    check(lambda x: (torch.exp(x), torch.sigmoid(x), x.exp().sum()), x, ops=["exp.default", "sigmoid.default"],
+          rtol=3e-6, atol=1e-37)
+
+
+@pytest.mark.parametrize("shape,dims", [((64, 48), [0]), ((5, 3, 32), [0, 1]), ((4, 7, 16, 3), [0, 3]), ((33, 10), [1])])
+def test_reductions_over_leading_and_trailing_dims(shape, dims):
+    # sum over a non-contiguous axis has its own CPU schedule (ColumnReduction in schedules.py)
+    check(lambda x: (x.sum(dims), x.mean(dims, keepdim=True), x.amax(dims)), rnd(*shape), ops=["sum.dim_IntList"])
+
+
 @pytest.mark.parametrize("reduction", [0, 1, 2])
 @pytest.mark.parametrize("weighted", [False, True])
 def test_nll_loss(reduction, weighted):

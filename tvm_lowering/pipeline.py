@@ -6,6 +6,7 @@ import functools
 import tvm
 from tvm import relax
 
+from . import fastmath
 from .library_dispatch import library_dispatch
 from .schedules import cpu_schedule
 
@@ -33,7 +34,12 @@ class Target:
 def resolve_target(kind: str, cuda_arch: str = "sm_90") -> Target:
     """Return the Target for a RATEX_DEVICE value ('CPU' or 'GPU')."""
     if kind == "CPU":
-        return Target("CPU", tvm.target.Target({"kind": "llvm", "mcpu": _host_cpu()}))
+        # Reassociation lets LLVM vectorize float reductions (a 1024x1024 row sum and layer_norm
+        # went from 3-4x torch's time to 1.0x) at the cost of a different summation order, as
+        # torch's own vectorized kernels have; contraction allows FMAs. No nnan/ninf: NaN and
+        # inf must propagate as PyTorch's do.
+        fast_math = {"fast-math-reassoc": True, "fast-math-contract": True}
+        return Target("CPU", tvm.target.Target({"kind": "llvm", "mcpu": _host_cpu(), **fast_math}))
     if kind == "GPU":
         return Target("GPU", tvm.target.Target({"kind": "cuda", "arch": cuda_arch}))
     raise ValueError(f"unknown device {kind!r}; valid values: {', '.join(DEVICES)}")
@@ -48,6 +54,7 @@ def _cpu_pipeline():
     from tvm.relax.backend.cpu_generic import pipeline as cpu
     return (
         cpu.library_dispatch_passes(None)
+        + [relax.transform.LegalizeOps(fastmath.LEGALIZE)]  # exp that vectorizes; else TVM's rules
         + cpu.legalize_passes(None)
         + [cpu_schedule()]
         + cpu.dataflow_lower_passes(None)
