@@ -121,10 +121,28 @@ def _convolution_backward(g, x, w, attrs):
     return [_out(o if o is not None else _PLACEHOLDER) for o in outs]
 
 
+@functools.lru_cache(maxsize=None)
+def _aten_call(attrs: str):
+    """(op, args template, kwargs) of a `ratex.lib.aten` call; see tvm_lowering/ops/library.py."""
+    cfg = json.loads(str(attrs))
+    _, name, overload = cfg["op"].split(".")  # "aten.<op>.<overload>"
+    op = getattr(getattr(aten, name), overload)
+    args = [getattr(torch, a["dtype"]) if isinstance(a, dict) and "dtype" in a else a for a in cfg["args"]]
+    kwargs = {k: getattr(torch, v) if k.endswith("dtype") and isinstance(v, str) else v for k, v in cfg["kwargs"].items()}
+    return op, args, kwargs
+
+
+def _aten(*args):
+    op, template, kwargs = _aten_call(args[-1])
+    tensors = [torch.from_dlpack(x) for x in args[:-1]]
+    call = [tensors[a["tensor"]] if isinstance(a, dict) and "tensor" in a else a for a in template]
+    return _out(op(*call, **kwargs))
+
+
 for _name, _fn in {
     "mm": _mm, "addmm": _addmm, "bmm": _bmm, "convolution": _convolution, "convolution_backward": _convolution_backward,
     "conv2d": _conv2d, "conv2d_transpose": _conv2d_transpose, "matmul": _matmul,
     "conv2d_weight_grad": _conv2d_weight_grad, "max_pool2d_backward": _max_pool2d_backward,
-    "avg_pool2d_backward": _avg_pool2d_backward,
+    "avg_pool2d_backward": _avg_pool2d_backward, "aten": _aten,
 }.items():
     tvm.register_global_func(f"ratex.lib.{_name}", _fn, override=True)
