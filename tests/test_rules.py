@@ -241,6 +241,15 @@ def test_exp_and_sigmoid_keep_libm_results_at_the_edges():
           rtol=3e-6, atol=1e-37)
 
 
+def test_full_with_special_and_lifted_fill_values():
+    # nn.Transformer's causal mask: full(-inf) then triu; 2.5 is lifted to a graph input
+    check(
+        lambda x: (torch.triu(torch.full((3, 3), float("-inf"), device=x.device), 1) + x,
+                   torch.full((2, 3), 2.5, device=x.device) * x[:2], torch.full((2,), 7, device=x.device)),
+        rnd(3, 3), ops=["full.default"],
+    )
+
+
 @pytest.mark.parametrize("shape,dims", [((64, 48), [0]), ((5, 3, 32), [0, 1]), ((4, 7, 16, 3), [0, 3]), ((33, 10), [1])])
 def test_reductions_over_leading_and_trailing_dims(shape, dims):
     # sum over a non-contiguous axis has its own CPU schedule (ColumnReduction in schedules.py)

@@ -3,6 +3,7 @@
 Each rule here replaces a TVM rule that computed something else (found by the
 OpInfo conformance run), delegating to TVM where its rule is right.
 """
+import torch
 from tvm import relax
 
 from . import rule
@@ -50,3 +51,19 @@ def elu(imp, node):
     ))
     out = bb.emit(relax.op.where(relax.op.greater(x, relax.const(0.0, dt)), x, neg))
     return out if scale == 1 else bb.emit(relax.op.multiply(out, relax.const(scale, dt)))
+
+
+@rule("full.default")
+def full(imp, node):
+    """The fill value broadcast to the shape. (TVM's rule fails to compile with an explicit
+    dtype — its legalization takes the dtype attribute for a string — e.g. the -inf causal
+    mask of nn.Transformer, and it cannot take a fill value that ratex lifted to an input.)"""
+    fill = node.args[1]
+    dtype = str(node.meta["val"].dtype).replace("torch.", "")
+    shape = [int(s) for s in node.args[0]]
+    if not isinstance(fill, torch.fx.Node):
+        return imp.block_builder.emit(relax.op.broadcast_to(relax.const(fill, dtype), shape))
+    value = imp.env[fill]
+    if str(value.ty.dtype) != dtype:
+        value = imp.block_builder.emit(relax.op.astype(value, dtype))
+    return imp.block_builder.emit(relax.op.broadcast_to(value, shape))
