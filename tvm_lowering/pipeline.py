@@ -6,6 +6,7 @@ import functools
 import tvm
 from tvm import relax
 
+from . import inplace
 from .library_dispatch import library_dispatch
 from .schedules import cpu_schedule
 
@@ -43,31 +44,37 @@ def _host_cpu() -> str:
     return str(tvm.target.codegen.llvm_get_system_cpu()) if hasattr(tvm.target, "codegen") else "generic"
 
 
-def _cpu_pipeline():
-    """TVM's CPU pipeline with ratex's schedules applied to the fused kernels."""
-    from tvm.relax.backend.cpu_generic import pipeline as cpu
+def _stages(target: Target, donate=(), donated=None) -> list:
+    """TVM's pipeline for the target, plus ratex's CPU schedules and buffer donation (see inplace.py)."""
+    if target.kind == "CPU":
+        from tvm.relax.backend.cpu_generic import pipeline as stages
+    else:
+        from tvm.relax.backend.cuda import pipeline as stages
+    legalize = stages.legalize_passes(target.tvm)
+    if target.kind == "CPU" and os.environ.get("RATEX_CPU_SCHEDULE", "1") != "0":
+        legalize.append(cpu_schedule())
+    if donate:  # after fusion and scheduling: each op is a call_tir whose PrimFunc is final
+        legalize.append(inplace.donate(donate, donated if donated is not None else []))
     return (
-        cpu.library_dispatch_passes(None)
-        + cpu.legalize_passes(None)
-        + [cpu_schedule()]
-        + cpu.dataflow_lower_passes(None)
-        + cpu.finalize_passes(None)
+        stages.library_dispatch_passes(target.tvm)
+        + legalize
+        + stages.dataflow_lower_passes(target.tvm)
+        + stages.finalize_passes(target.tvm)
     )
 
 
-def build(mod: tvm.IRModule, target: Target, library: bool = False):
+def build(mod: tvm.IRModule, target: Target, library: bool = False, donate=(), donated=None):
     """Compile `mod` with fusion (FuseOps/FuseTIR) for `target`; return a tvm executable.
 
     With `library`, conv2d/conv2d_transpose/matmul left in the module become
     calls to the ratex.lib.* kernel library (see library_dispatch.py).
+    `donate`: (input, output) index pairs of `main` where the output may be
+    written into the input's buffer; those that were safe are appended to `donated`.
     """
     # CSE removes the forward that a script's backward recomputes; DCE what nothing reads.
     cleanup = [relax.transform.EliminateCommonSubexpr(), relax.transform.DeadCodeElimination()]
     if library:
         cleanup.append(library_dispatch)
-    if target.kind == "CPU" and os.environ.get("RATEX_CPU_SCHEDULE", "1") != "0":
-        pipeline = tvm.transform.Sequential(cleanup + _cpu_pipeline())
-    else:
-        pipeline = tvm.transform.Sequential(cleanup + [relax.get_default_pipeline(target.tvm)])
+    pipeline = tvm.transform.Sequential(cleanup + _stages(target, donate, donated))
     with target.tvm:
         return tvm.compile(mod, target=target.tvm, relax_pipeline=pipeline)

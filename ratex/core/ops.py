@@ -14,6 +14,7 @@ import functools
 import torch
 
 import tvm_lowering
+from .. import config
 from . import metrics, random, shape, sync, tensor
 from . import ir
 from .ir import Node, fill, op_name, template
@@ -482,8 +483,12 @@ def _item(func, args, kwargs):
 
 @handles(aten.clone.default)
 def _clone(func, args, kwargs):
-    # Device data is immutable, so a clone is the same value in a new Storage.
+    # Device data is immutable, so a clone is the same value in a new Storage. With buffer
+    # donation the step that overwrites the source may write into its buffer, so the
+    # clone must own a copy (see Program.run, which gives every output a buffer of its own).
     src = args[0]
+    if config.PARAM_ALIASING:
+        return _functional(func, (src,), {})
     return tensor.LazyTensor.from_value(src._value())
 
 
