@@ -38,13 +38,23 @@ def _mlp():
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
 
 
-def _batches(n=4):
+def _batches(n=3):
     g = torch.Generator().manual_seed(1)
     return [(torch.randn(5, 8, generator=g), torch.randint(0, 4, (5,), generator=g)) for _ in range(n)]
 
 
+def _optimizer(name, foreach):
+    """torch.optim's optimizer `name`; foreach=None is the default (single-tensor on this device)."""
+    def make(params):
+        opt = OPTIMIZERS[name](params)
+        for group in opt.param_groups:
+            group["foreach"] = foreach
+        return opt
+    return make
+
+
 def _train_lazy(model, make_opt, dev, batches, script=False):
-    """Train on the lazy device; return losses, final weights, and per-step (before, after) buffer addresses."""
+    """Train on the lazy device; return losses, final weights, which buffers moved per step, compile counts."""
     model = copy.deepcopy(model).to(dev)
     if script:
         model = jit.script(model)
@@ -78,36 +88,43 @@ def _train_cpu(model, make_opt, batches):
     return losses, [p.detach() for p in model.parameters()]
 
 
-def _check(name, dev, monkeypatch, script=False):
-    model, batches, make_opt = _mlp(), _batches(), OPTIMIZERS[name]
-    ref_losses, ref_weights = _train_cpu(model, make_opt, batches)
-    monkeypatch.setattr(config, "PARAM_ALIASING", False)
-    off_losses, off_weights, off_moved, _ = _train_lazy(model, make_opt, dev, batches, script)
+def _check(make_opt, dev, monkeypatch, script=False, against_off=False):
+    """Train with aliasing on: same numbers as CPU (and the aliasing-off run), buffers never move."""
+    model, batches = _mlp(), _batches()
+    expected = [_train_cpu(model, make_opt, batches)]
+    if against_off:
+        monkeypatch.setattr(config, "PARAM_ALIASING", False)
+        off_losses, off_weights, off_moved, _ = _train_lazy(model, make_opt, dev, batches, script)
+        expected.append((off_losses, off_weights))
+        assert all(all(step) for step in off_moved)  # without aliasing each step moves every buffer
     monkeypatch.setattr(config, "PARAM_ALIASING", True)
     metrics.reset()
     losses, weights, moved, compiles = _train_lazy(model, make_opt, dev, batches, script)
-    torch.testing.assert_close(losses, ref_losses, rtol=RTOL, atol=ATOL)
-    torch.testing.assert_close(losses, off_losses, rtol=RTOL, atol=ATOL)
-    for w, r, o in zip(weights, ref_weights, off_weights):
-        torch.testing.assert_close(w, r, rtol=RTOL, atol=ATOL)
-        torch.testing.assert_close(w, o, rtol=RTOL, atol=ATOL)
+    for ref_losses, ref_weights in expected:
+        torch.testing.assert_close(losses, ref_losses, rtol=RTOL, atol=ATOL)
+        for w, r in zip(weights, ref_weights):
+            torch.testing.assert_close(w, r, rtol=RTOL, atol=ATOL)
     # Every parameter and state tensor keeps its buffer at every step (the state made at
-    # the first step from the second on); without aliasing each gets a new buffer each step.
+    # the first step from the second on).
     for step in moved:
-        assert step and not any(step), f"{name}: buffers that moved at a step: {step}"
-    assert all(all(step) for step in off_moved)
+        assert step and not any(step), f"buffers that moved at a step: {step}"
     assert len(set(compiles[1:])) == 1, f"recompiled after the first steps: {compiles}"
     assert metrics.counter_value("DonatedBuffers") >= len(weights)
+    assert not [c for c in metrics.counter_names() if c.startswith("aten::")]  # every op compiled
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
-def test_optimizer_step_writes_in_place(dev, monkeypatch, name):
-    _check(name, dev, monkeypatch)
+def test_foreach_step_writes_in_place(dev, monkeypatch, name):
+    _check(_optimizer(name, foreach=True), dev, monkeypatch)
 
 
-@pytest.mark.parametrize("name", ["sgd-nesterov-wd", "adamw"])
-def test_scripted_step_writes_in_place(dev, monkeypatch, name):
-    _check(name, dev, monkeypatch, script=True)
+@pytest.mark.parametrize("name", ["sgd-nesterov-wd", "adam"])
+def test_default_step_writes_in_place_like_aliasing_off(dev, monkeypatch, name):
+    _check(_optimizer(name, foreach=None), dev, monkeypatch, against_off=True)
+
+
+def test_scripted_step_writes_in_place(dev, monkeypatch):
+    _check(_optimizer("adamw", foreach=True), dev, monkeypatch, script=True)
 
 
 def test_view_sees_update_and_clone_keeps_old_value(dev, aliasing):
