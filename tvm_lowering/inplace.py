@@ -18,6 +18,12 @@ computes the same values:
   pointwise at its own data-parallel iterators, reading the input there only at
   that same point; every other read of the input happens in loop nests that
   finish before that block's nest starts, and nothing after it touches either.
+
+The runtime side (ratex/core) makes sure nothing else reads a donated buffer:
+each program output gets a buffer of its own, clones copy, and a failed step
+cannot roll a donated buffer back (the tensors that owned one keep the error).
+Outputs of multi-output kernels (a tuple from one fused call_tir) are not
+donated yet.
 """
 import tvm
 import tvm_ffi

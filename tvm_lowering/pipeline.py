@@ -63,6 +63,14 @@ def _stages(target: Target, donate=(), donated=None) -> list:
     )
 
 
+def _passes(target: Target, library: bool, donate=(), donated=None) -> list:
+    # CSE removes the forward that a script's backward recomputes; DCE what nothing reads.
+    cleanup = [relax.transform.EliminateCommonSubexpr(), relax.transform.DeadCodeElimination()]
+    if library:
+        cleanup.append(library_dispatch)
+    return cleanup + _stages(target, donate, donated)
+
+
 def build(mod: tvm.IRModule, target: Target, library: bool = False, donate=(), donated=None):
     """Compile `mod` with fusion (FuseOps/FuseTIR) for `target`; return a tvm executable.
 
@@ -71,10 +79,34 @@ def build(mod: tvm.IRModule, target: Target, library: bool = False, donate=(), d
     `donate`: (input, output) index pairs of `main` where the output may be
     written into the input's buffer; those that were safe are appended to `donated`.
     """
-    # CSE removes the forward that a script's backward recomputes; DCE what nothing reads.
-    cleanup = [relax.transform.EliminateCommonSubexpr(), relax.transform.DeadCodeElimination()]
-    if library:
-        cleanup.append(library_dispatch)
-    pipeline = tvm.transform.Sequential(cleanup + _stages(target, donate, donated))
+    pipeline = tvm.transform.Sequential(_passes(target, library, donate, donated))
     with target.tvm:
         return tvm.compile(mod, target=target.tvm, relax_pipeline=pipeline)
+
+
+def memory_plan(mod: tvm.IRModule, target: Target, library: bool = False, donate=()) -> dict:
+    """Bytes that `main` allocates per call once memory is planned, as `build` would compile it.
+
+    'planned': the storage StaticPlanBlockMemory allocates for intermediates;
+    'outputs': tensors allocated for outputs (donated ones are not). Inputs and
+    buffers that library kernels allocate inside PyTorch are not counted.
+    """
+    passes = _passes(target, library, donate)
+    last = next(k for k, p in enumerate(passes) if p.info.name == "StaticPlanBlockMemory")
+    with target.tvm:
+        planned = tvm.transform.Sequential(passes[: last + 1])(mod)
+    storage, tensor = tvm.ir.Op.get("relax.memory.alloc_storage"), tvm.ir.Op.get("relax.builtin.alloc_tensor")
+    sizes = {"planned": 0, "outputs": 0}
+    for block in planned["main"].body.blocks:
+        for binding in block.bindings:
+            call = binding.value
+            if not isinstance(call, relax.Call):
+                continue
+            if call.op.same_as(storage):
+                sizes["planned"] += int(call.args[0].values[0])
+            elif call.op.same_as(tensor):
+                count = 1
+                for dim in call.args[0].values:
+                    count *= int(dim)
+                sizes["outputs"] += count * tvm.runtime.DataType(str(call.args[1].value)).bits // 8
+    return sizes
