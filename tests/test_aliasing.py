@@ -197,3 +197,36 @@ def test_failed_step_does_not_restore_donated_buffers(dev, aliasing, monkeypatch
         lm.wait_device_ops()
     with pytest.raises(launch.ExecutionError, match="injected failure"):
         w.cpu()  # its old buffer was handed to the failed program: no silent stale value
+
+
+def test_donate_pass_rewrites_only_safe_calls():
+    import tvm
+    from tvm.relax.backend.cpu_generic import pipeline as cpu
+    from tvm.script import ir as I, relax as R
+
+    from tvm_lowering import inplace
+    from tvm_lowering.schedules import cpu_schedule
+
+    @I.ir_module
+    class Step:
+        @R.function
+        def main(p: R.Tensor((16, 8), "float32"), g: R.Tensor((16, 8), "float32"),
+                 m: R.Tensor((16, 8), "float32"), lr: R.Tensor((), "float32"), x: R.Tensor((4, 8), "float32"),
+                 s: R.Tensor((8, 8), "float32")):
+            with R.dataflow():
+                y = R.matmul(x, R.permute_dims(p))  # reads p before its update: fine
+                m2 = R.add(R.multiply(m, R.const(0.9, "float32")), g)
+                p2 = R.subtract(p, R.multiply(lr, m2))
+                flat = R.reshape(m, (128,))  # a view of m, returned: m's buffer must survive
+                st = R.add(R.permute_dims(s), R.const(1.0, "float32"))  # element (i, j) needs old (j, i)
+                gv = (y, m2, p2, flat, st)
+                R.output(gv)
+            return gv
+
+    with tvm.target.Target("llvm"):  # as in the real pipeline: fused and scheduled (transpose inlined)
+        mod = tvm.transform.Sequential(cpu.legalize_passes(None) + [cpu_schedule()])(Step)
+    done = []
+    new = inplace.donate([(0, 2), (2, 1), (5, 4)], done)(mod)
+    assert done == [(0, 2)]
+    text = new["main"].script()
+    assert text.count("call_tir_inplace") == 1 and "inplace_indices=[2]" in text

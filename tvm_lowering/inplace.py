@@ -161,8 +161,8 @@ def _writes_in_place(prim, source, target) -> bool:
     if store.init is not None or store.match_buffers or _sblocks(store.body) \
             or any(int(iv.iter_type) != _DATA_PAR for iv in store.iter_vars):
         return False  # nested blocks or reduction iterators: not one point per iteration
-    if len(store.writes) != 1:
-        return False
+    if len(store.writes) != 1 or any(r.source.same_as(target) for r in store.reads):
+        return False  # reading the output would read the input once they are one buffer
     point = [r.min for r in store.writes[0].region]
     iters = {iv.var for iv in store.iter_vars}
     if not _is_point(store.writes[0]) or len(set(point)) != len(point) or not set(point) <= iters:

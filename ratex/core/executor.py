@@ -107,8 +107,8 @@ def _compile(graph: Graph, donate: tuple) -> Program:
 
 
 def cache_key(graph: Graph, donate: tuple):
-    """The compile-cache key of `graph` compiled with donations `donate`."""
-    return (graph.key, donate) if donate else graph.key
+    """The compile-cache key of `graph` compiled with donations `donate` (ENABLE_PARAM_ALIASING)."""
+    return ("aliasing", graph.key, donate) if config.PARAM_ALIASING else graph.key
 
 
 def graph_hash(graph: Graph) -> str:
