@@ -184,19 +184,23 @@ def test_two_tensors_never_share_a_buffer(dev, aliasing):
 def test_failed_step_does_not_restore_donated_buffers(dev, aliasing, monkeypatch):
     from ratex.core import executor, launch
 
-    w = torch.ones(4).to(dev)
+    w, u = torch.ones(4).to(dev), torch.zeros(4).to(dev)
     lm.mark_step()
     w.add_(1)
+    u.fill_(5)  # doesn't read its old value: nothing to donate, so it can roll back
 
     def fail(self, inputs):
         raise RuntimeError("injected failure")
 
+    run = executor.Program.run
     monkeypatch.setattr(executor.Program, "run", fail)
     lm.mark_step()
     with pytest.raises(launch.ExecutionError, match="writing in place"):
         lm.wait_device_ops()
     with pytest.raises(launch.ExecutionError, match="injected failure"):
         w.cpu()  # its old buffer was handed to the failed program: no silent stale value
+    monkeypatch.setattr(executor.Program, "run", run)
+    torch.testing.assert_close(u.cpu(), torch.zeros(4))
 
 
 def test_donate_pass_rewrites_only_safe_calls():
