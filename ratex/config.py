@@ -54,6 +54,13 @@ KERNELS = _choice("RATEX_KERNELS", "AUTO", ("AUTO", "TVM", "LIBRARY"))
 # TVM pins its worker threads to cores by default; next to torch's own pool
 # (library kernels run in-process) the two fight for the cores.
 os.environ.setdefault("TVM_BIND_THREADS", "0")
+# Buffer donation: at mark_step, a tensor whose new value the step computes gives
+# its old buffer to that computation, which writes the update in place where
+# tvm_lowering/inplace.py proves it safe (the peak memory of a training step drops
+# by about the size of parameters + optimizer state). A donated buffer cannot be
+# restored: if the program fails, the tensors that owned donated buffers are not
+# rolled back like the others but keep the failed value, so reading them raises
+# the step's error again rather than returning a half-updated buffer.
 PARAM_ALIASING = _flag("ENABLE_PARAM_ALIASING", False)
 PROFILE = _flag("RATEX_PROFILE", False)
 SAVE_IR = os.environ.get("RATEX_SAVE_IR") or None

@@ -6,7 +6,7 @@ import functools
 import tvm
 from tvm import relax
 
-from . import fastmath
+from . import fastmath, inplace
 from .library_dispatch import library_dispatch
 from .schedules import cpu_schedule
 
@@ -49,32 +49,71 @@ def _host_cpu() -> str:
     return str(tvm.target.codegen.llvm_get_system_cpu()) if hasattr(tvm.target, "codegen") else "generic"
 
 
-def _cpu_pipeline():
-    """TVM's CPU pipeline with ratex's schedules applied to the fused kernels."""
-    from tvm.relax.backend.cpu_generic import pipeline as cpu
+def _stages(target: Target, donate=(), donated=None) -> list:
+    """TVM's pipeline for the target, plus ratex's CPU schedules and buffer donation (see inplace.py)."""
+    if target.kind == "CPU":
+        from tvm.relax.backend.cpu_generic import pipeline as stages
+    else:
+        from tvm.relax.backend.cuda import pipeline as stages
+    legalize = stages.legalize_passes(target.tvm)
+    if target.kind == "CPU":  # exp that vectorizes; TVM's rules for everything else
+        legalize.insert(0, relax.transform.LegalizeOps(fastmath.LEGALIZE))
+    if target.kind == "CPU" and os.environ.get("RATEX_CPU_SCHEDULE", "1") != "0":
+        legalize.append(cpu_schedule())
+    if donate:  # after fusion and scheduling: each op is a call_tir whose PrimFunc is final
+        legalize.append(inplace.donate(donate, donated if donated is not None else []))
     return (
-        cpu.library_dispatch_passes(None)
-        + [relax.transform.LegalizeOps(fastmath.LEGALIZE)]  # exp that vectorizes; else TVM's rules
-        + cpu.legalize_passes(None)
-        + [cpu_schedule()]
-        + cpu.dataflow_lower_passes(None)
-        + cpu.finalize_passes(None)
+        stages.library_dispatch_passes(target.tvm)
+        + legalize
+        + stages.dataflow_lower_passes(target.tvm)
+        + stages.finalize_passes(target.tvm)
     )
 
 
-def build(mod: tvm.IRModule, target: Target, library: bool = False):
-    """Compile `mod` with fusion (FuseOps/FuseTIR) for `target`; return a tvm executable.
-
-    With `library`, conv2d/conv2d_transpose/matmul left in the module become
-    calls to the ratex.lib.* kernel library (see library_dispatch.py).
-    """
+def _passes(target: Target, library: bool, donate=(), donated=None) -> list:
     # CSE removes the forward that a script's backward recomputes; DCE what nothing reads.
     cleanup = [relax.transform.EliminateCommonSubexpr(), relax.transform.DeadCodeElimination()]
     if library:
         cleanup.append(library_dispatch)
-    if target.kind == "CPU" and os.environ.get("RATEX_CPU_SCHEDULE", "1") != "0":
-        pipeline = tvm.transform.Sequential(cleanup + _cpu_pipeline())
-    else:
-        pipeline = tvm.transform.Sequential(cleanup + [relax.get_default_pipeline(target.tvm)])
+    return cleanup + _stages(target, donate, donated)
+
+
+def build(mod: tvm.IRModule, target: Target, library: bool = False, donate=(), donated=None):
+    """Compile `mod` with fusion (FuseOps/FuseTIR) for `target`; return a tvm executable.
+
+    With `library`, conv2d/conv2d_transpose/matmul left in the module become
+    calls to the ratex.lib.* kernel library (see library_dispatch.py).
+    `donate`: (input, output) index pairs of `main` where the output may be
+    written into the input's buffer; those that were safe are appended to `donated`.
+    """
+    pipeline = tvm.transform.Sequential(_passes(target, library, donate, donated))
     with target.tvm:
         return tvm.compile(mod, target=target.tvm, relax_pipeline=pipeline)
+
+
+def memory_plan(mod: tvm.IRModule, target: Target, library: bool = False, donate=()) -> dict:
+    """Bytes that `main` allocates per call once memory is planned, as `build` would compile it.
+
+    'planned': the storage StaticPlanBlockMemory allocates for intermediates;
+    'outputs': tensors allocated for outputs (donated ones are not). Inputs and
+    buffers that library kernels allocate inside PyTorch are not counted.
+    """
+    passes = _passes(target, library, donate)
+    last = next(k for k, p in enumerate(passes) if p.info.name == "StaticPlanBlockMemory")
+    with target.tvm:
+        planned = tvm.transform.Sequential(passes[: last + 1])(mod)
+    storage, tensor = tvm.ir.Op.get("relax.memory.alloc_storage"), tvm.ir.Op.get("relax.builtin.alloc_tensor")
+    sizes = {"planned": 0, "outputs": 0}
+    for block in planned["main"].body.blocks:
+        for binding in block.bindings:
+            call = binding.value
+            if not isinstance(call, relax.Call):
+                continue
+            if call.op.same_as(storage):
+                sizes["planned"] += int(call.args[0].values[0])
+            elif call.op.same_as(tensor):
+                count = 1
+                for dim in call.args[0].values:
+                    count *= int(dim)
+                sizes["outputs"] += count * tvm.runtime.DataType(str(call.args[1].value)).bits // 8
+    return sizes

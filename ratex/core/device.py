@@ -47,6 +47,10 @@ class CPUBackend:
     def from_tvm(self, array):
         return torch.from_dlpack(array)
 
+    def copy(self, data):
+        """Return device data holding a copy of `data` in a buffer of its own."""
+        return data.clone()
+
 
 class GPUBackend:
     """Device data = tvm.runtime.Tensor on the CUDA device."""
@@ -72,6 +76,9 @@ class GPUBackend:
 
     def from_tvm(self, array):
         return array
+
+    def copy(self, data):
+        return data.copyto(self.dev)
 
 
 def _numpy(cpu: torch.Tensor):

@@ -17,22 +17,52 @@ from .graph import Graph, to_fx
 
 
 class Program:
-    """One compiled graph: a Relax VM function taking leaves, returning roots."""
+    """One compiled graph: a Relax VM function taking leaves, returning roots.
 
-    __slots__ = ("fn", "vm", "mod", "executable")
+    `donate`: the (input, output) pairs whose output may be written into the
+    input's buffer (ENABLE_PARAM_ALIASING; see tvm_lowering/inplace.py).
+    """
 
-    def __init__(self, executable, mod, device):
+    __slots__ = ("fn", "vm", "mod", "executable", "donate")
+
+    def __init__(self, executable, mod, device, donate=()):
         """`executable`: a VMExecutable, or a runtime module loaded from the disk cache (mod None)."""
         self.vm = relax.VirtualMachine(executable, device)
         self.fn = self.vm["main"]
         self.mod = mod
         self.executable = executable
+        self.donate = frozenset(donate)
 
     def run(self, inputs: list) -> list:
         """Run on device data `inputs`; return device data, one per root."""
         be = backend()
-        outs = self.fn(*[be.to_tvm(x) for x in inputs])
-        return [be.from_tvm(o) for o in outs]
+        outs = [be.from_tvm(o) for o in self.fn(*[be.to_tvm(x) for x in inputs])]
+        if config.PARAM_ALIASING:
+            _own_buffers(be, inputs, outs, self.donate)
+        return outs
+
+
+def _own_buffers(be, inputs: list, outs: list, donate: frozenset):
+    """Give each output a buffer of its own, except where it was donated its input's.
+
+    A program may return an input, or one buffer twice (identities, reshapes
+    that became views). With donation on, a later step writes into the buffer
+    of a value it overwrites, which must then belong to that value alone.
+    """
+    owner = {}
+    for i, x in enumerate(inputs):
+        if x.numel():
+            owner.setdefault(x.data_ptr(), i)
+    for j, out in enumerate(outs):
+        if not out.numel():
+            continue
+        ptr = out.data_ptr()
+        who = owner.get(ptr)
+        if who is None or (type(who) is int and (who, j) in donate):
+            owner[ptr] = ("out", j)
+        else:
+            outs[j] = be.copy(out)
+            metrics.counter_inc("AliasedOutputCopy")
 
 
 def use_library(kind: str) -> bool:
@@ -42,31 +72,43 @@ def use_library(kind: str) -> bool:
     return config.KERNELS in ("AUTO", "LIBRARY")
 
 
-def compile_graph(graph: Graph) -> Program:
-    """Lower and compile `graph` for the configured target (raises LoweringError)."""
+def compile_graph(graph: Graph, donate=()) -> Program:
+    """Lower and compile `graph` for the configured target (raises LoweringError).
+
+    `donate`: (leaf, root) index pairs where the root is the new value of the
+    leaf's tensor, so the update may be written into the leaf's buffer.
+    """
     with progress.compiling(f"a graph of {len(graph.nodes)} ops"):
-        return _compile(graph)
+        return _compile(graph, tuple(donate))
 
 
-def _compile(graph: Graph) -> Program:
+def _compile(graph: Graph, donate: tuple) -> Program:
     be = backend()
     with metrics.timed("LowerTime"):
         library = use_library(be.target.kind)
         mod = tvm_lowering.import_graph(to_fx(graph), library=library)
     cache = _disk_cache()
-    name = _entry_name(cache, graph) if cache is not None else None
+    name = _entry_name(cache, cache_key(graph, donate)) if cache is not None else None
     dev = be.target.device()
+    donated = []
     with metrics.timed("CompileTime"):
-        executable = tvm_lowering.build(mod, be.target, library=library)
+        executable = tvm_lowering.build(mod, be.target, library=library, donate=donate, donated=donated)
         # Making the VM JIT-links the code in memory, which costs about as much as the build.
         # With a persistent cache the library is exported (linked) once and loaded instead.
-        program = Program(executable, mod, dev) if name is None else None
+        program = Program(executable, mod, dev, donate) if name is None else None
+    if donated:
+        metrics.counter_inc("DonatedBuffers", len(donated))
     if config.SAVE_IR:
-        _save_ir(graph, mod)
+        _save_ir(graph, mod, donated)
     if program is None:
         lib = _store(cache, name, graph, executable)
-        program = Program(lib if lib is not None else executable, mod, dev)
+        program = Program(lib if lib is not None else executable, mod, dev, donate)
     return program
+
+
+def cache_key(graph: Graph, donate: tuple):
+    """The compile-cache key of `graph` compiled with donations `donate` (ENABLE_PARAM_ALIASING)."""
+    return ("aliasing", graph.key, donate) if config.PARAM_ALIASING else graph.key
 
 
 def graph_hash(graph: Graph) -> str:
@@ -88,13 +130,15 @@ def _origins(graph: Graph) -> str:
     return "\n".join(f"  {line}" for line in lines) or "  (unknown)"
 
 
-def _save_ir(graph: Graph, mod):
+def _save_ir(graph: Graph, mod, donated):
     from ..debug import format_graph  # noqa: PLC0415  (debug imports the core)
 
     text = (
         f"==== graph {graph_hash(graph)}  compiled {time.strftime('%Y-%m-%d %H:%M:%S')}"
         f"  ({len(graph.nodes)} ops, {len(graph.leaves)} inputs, {len(graph.roots)} outputs)\n"
-        f"-- created by\n{_origins(graph)}\n-- lazy IR\n{format_graph(graph)}\n-- Relax\n{mod.script()}\n"
+        f"-- created by\n{_origins(graph)}\n"
+        + (f"-- donated buffers (input -> output): {donated}\n" if donated else "")
+        + f"-- lazy IR\n{format_graph(graph)}\n-- Relax\n{mod.script()}\n"
     )
     with open(config.SAVE_IR, "a", encoding="utf-8") as f:
         f.write(text)
@@ -133,28 +177,28 @@ def _disk_cache():
     return cache
 
 
-def _entry_name(cache, graph: Graph):
+def _entry_name(cache, key):
     global _last_name
-    if _last_name[0] is graph.key:
+    if _last_name[0] is key:
         return _last_name[1]
-    name = cache.name(graph.key)
-    _last_name = (graph.key, name)
+    name = cache.name(key)
+    _last_name = (key, name)
     return name
 
 
-def load_program(graph: Graph):
-    """Return the program of `graph` from the persistent cache, or None."""
+def load_program(graph: Graph, donate=()):
+    """Return the program of `graph` (compiled with donations `donate`) from the persistent cache, or None."""
     cache = _disk_cache()
     if cache is None:
         return None
-    name = _entry_name(cache, graph)
+    name = _entry_name(cache, cache_key(graph, tuple(donate)))
     if name is None:
         return None
     with metrics.timed("PersistentCacheLoadTime"):
         lib = cache.load(name)
         if lib is None:
             return None
-        program = Program(lib, None, backend().target.device())
+        program = Program(lib, None, backend().target.device(), donate)
     metrics.counter_inc("PersistentCacheHit")
     return program
 

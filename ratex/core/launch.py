@@ -52,8 +52,9 @@ class Job:
             with metrics.timed("ExecuteTime"):
                 self.outs = self.program.run(inputs)
             for (node, idx), out, pending in zip(self.targets, self.outs, self.pendings):
+                pending.data = out  # first: whoever sees `out` on the node can find it through the Pending too
                 node.results[idx] = out  # replaces the Pending: later reads skip the indirection
-                pending.data, pending.job = out, None  # copies of the Pending elsewhere let go of the job
+                pending.job = None  # copies of the Pending elsewhere let go of the job
             self.restore = None
         except BaseException as err:  # noqa: BLE001 - reported at the next sync point
             self.error = err
@@ -61,6 +62,18 @@ class Job:
         finally:
             self.inputs = self.targets = self.pendings = None
             self.done.set()
+
+    def forget_rollback(self, donated: list):
+        """The buffers of these old values (node, index) are written in place: they can't be restored.
+
+        Should the run fail, the tensors that held them keep the failed value,
+        so reading them raises the error again instead of returning a buffer
+        the program may have half overwritten.
+        """
+        lost = {(id(node), idx) for node, idx in donated}
+        self.restore = [
+            (st, None if prev is not None and (id(prev[0]), prev[1]) in lost else prev) for st, prev in self.restore
+        ]
 
     def result(self, k):
         self.done.wait()
@@ -150,5 +163,6 @@ def raise_failures():
     job = jobs[0]
     raise ExecutionError(
         f"ratex: executing {job.label} failed: {type(job.error).__name__}: {job.error}. "
-        "The tensors that step would have written keep their previous values."
+        "The tensors that step would have written keep their previous values, except those whose "
+        "buffers it was writing in place (ENABLE_PARAM_ALIASING): reading them raises this error again."
     ) from job.error

@@ -14,6 +14,7 @@ import functools
 import torch
 
 import tvm_lowering
+from .. import config
 from . import metrics, random, shape, sync, tensor
 from . import ir
 from .ir import Node, fill, op_name, template
@@ -269,6 +270,13 @@ def _foreach(func, args, kwargs):
     def pick(a, i):
         return a[i] if isinstance(a, (list, tuple)) and len(a) == n else a
 
+    # A foreach op may take positionally what the per-tensor op takes only by keyword
+    # (_foreach_addcmul_(self, t1, t2, value) vs addcmul_(self, t1, t2, *, value)).
+    schema = getattr(per_op, per_op.overloads()[0])._schema
+    positional = sum(not a.kwarg_only for a in schema.arguments)
+    keyword = [a.name for a in schema.arguments if a.kwarg_only]
+    kwargs = dict(kwargs, **dict(zip(keyword, args[positional:])))
+    args = args[:positional]
     results = [per_op(*[pick(a, i) for a in args], **{k: pick(v, i) for k, v in kwargs.items()}) for i in range(n)]
     return None if name.endswith("_") else list(results)
 
@@ -482,8 +490,12 @@ def _item(func, args, kwargs):
 
 @handles(aten.clone.default)
 def _clone(func, args, kwargs):
-    # Device data is immutable, so a clone is the same value in a new Storage.
+    # Device data is immutable, so a clone is the same value in a new Storage. With buffer
+    # donation the step that overwrites the source may write into its buffer, so the
+    # clone must own a copy (see Program.run, which gives every output a buffer of its own).
     src = args[0]
+    if config.PARAM_ALIASING:
+        return _functional(func, (src,), {})
     return tensor.LazyTensor.from_value(src._value())
 
 

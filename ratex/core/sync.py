@@ -7,10 +7,11 @@ import warnings
 import weakref
 
 import tvm_lowering
+from .. import config
 from . import launch, metrics
 from .launch import ExecutionError, Pending, resolve  # noqa: F401  (the sync API)
 from .device import backend
-from .executor import compile_graph, load_program
+from .executor import cache_key, compile_graph, load_program
 from .graph import cut
 from .ir import Node, fill, op_name
 
@@ -46,31 +47,75 @@ def pending_storages() -> list:
 _depth = 0  # execute() nests (eager fallbacks); only the outermost call is a "Sync" span
 
 
-def execute(values: list):
-    """Compute every value in `values` (pairs (node, index)) and keep the results on the nodes."""
+def execute(values: list, overwrites=()):
+    """Compute every value in `values` (pairs (node, index)) and keep the results on the nodes.
+
+    `overwrites`: (new value, old value) pairs of tensors that the values
+    replace; with ENABLE_PARAM_ALIASING the old value's buffer may receive the
+    new one (see `donations`).
+    """
     global _depth
     if _depth:
-        return _execute(values)
+        return _execute(values, overwrites)
     launch.raise_failures()
     _depth += 1
     try:
         with metrics.span("Sync"):
-            return _execute(values)
+            return _execute(values, overwrites)
     finally:
         _depth -= 1
 
 
-def _execute(values: list):
+def donations(graph, overwrites) -> tuple:
+    """(leaf, root) index pairs of `graph` where the root replaces the tensor whose old value is the leaf.
+
+    Each old value has one owner: clones copy (ops._clone) and programs give
+    every output its own buffer (Program.run), so no other live tensor reads the
+    leaf's buffer once the tensor it belonged to has moved on.
+    """
+    leaf_at = {(id(node), idx): k for k, (node, idx) in enumerate(graph.leaves)}
+    root_at = {(id(node), idx): k for k, (node, idx) in enumerate(graph.roots)}
+    shared = _shared_leaves(graph.leaves)
+    pairs, taken = [], set()
+    for new, old in overwrites:
+        leaf = leaf_at.get((id(old[0]), old[1])) if old is not None else None
+        root = root_at.get((id(new[0]), new[1]))
+        if leaf is not None and root is not None and leaf not in taken and leaf not in shared:
+            taken.add(leaf)
+            pairs.append((leaf, root))
+    return tuple(sorted(pairs))
+
+
+def _shared_leaves(leaves) -> set:
+    """Positions of leaves whose buffer another leaf holds too.
+
+    That happens where a view still caches an op node while its storage moved on
+    to a leaf made from it: one holds a Pending, the other its result. Reading all
+    data first and the Pendings' results after makes this race-free (Job.run
+    fills the Pending before the node).
+    """
+    datas = [node.results[idx] for node, idx in leaves]
+    keys = [{id(d), id(d.data)} if type(d) is Pending and d.data is not None else {id(d)} for d in datas]
+    count = {}
+    for ks in keys:
+        for k in ks:
+            count[k] = count.get(k, 0) + 1
+    return {pos for pos, ks in enumerate(keys) if any(count[k] > 1 for k in ks)}
+
+
+def _execute(values: list, overwrites=()):
     while True:
         roots = list(dict.fromkeys(v for v in values if v[0].results[v[1]] is None))
         if not roots:
             return
         graph = cut(roots)
-        program = _cache.get(graph.key)
+        donate = donations(graph, overwrites) if overwrites else ()
+        key = cache_key(graph, donate)
+        program = _cache.get(key)
         if program is None:
             launch.drain()  # no compiling or loading while a program runs: TVM's codegen isn't safe next to it
-        if program is None and (program := load_program(graph)) is not None:
-            _cache.put(graph.key, program)  # from the persistent cache (RATEX_CACHE_DIR)
+        if program is None and (program := load_program(graph, donate)) is not None:
+            _cache.put(key, program)  # from the persistent cache (RATEX_CACHE_DIR)
         elif program is None:
             stuck = [n for n in graph.nodes if n.key in unlowerable or not tvm_lowering.has_rule(op_name(n.op))]
             if stuck:  # e.g. a view op without a rule: compute it eagerly, then cut again
@@ -78,7 +123,7 @@ def _execute(values: list):
                     run_eagerly(node)
                 continue
             try:
-                program = compile_graph(graph)
+                program = compile_graph(graph, donate)
             except tvm_lowering.LoweringError as err:
                 node = err.node.meta.get("ratex_node")
                 if node is None:
@@ -98,11 +143,13 @@ def _execute(values: list):
                 run_eagerly(node)
                 continue
             metrics.counter_inc("UncachedCompile")
-            _cache.put(graph.key, program)
+            _cache.put(key, program)
         else:
             metrics.counter_inc("CachedCompile")
         inputs = [node.results[idx] for node, idx in graph.leaves]
         job = launch.Job(program, inputs, roots, f"graph {_label(graph)} ({len(graph.nodes)} ops)")
+        if donate:
+            job.forget_rollback([graph.leaves[i] for i, _ in donate])
         for (node, idx), pending in zip(roots, job.pendings):
             node.set_result(idx, pending)
         launch.launch(job)
@@ -155,7 +202,8 @@ def mark_step():
         storages = pending_storages()
         _pending.clear()
         with launch.rollback_point([(st, st.prev) for st in storages]):
-            execute([st.value for st in storages])
+            overwrites = [(st.value, st.prev) for st in storages] if config.PARAM_ALIASING else ()
+            execute([st.value for st in storages], overwrites)
         for st in storages:
             st.rebind()
     if _step_closures:

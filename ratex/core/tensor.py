@@ -43,10 +43,15 @@ class Storage:
                 _note_origin(value[0])
 
     def rebind(self):
-        """After a sync, point at a fresh data leaf so the op graph behind it can be freed."""
+        """After a sync, point at a fresh data leaf so the op graph behind it can be freed.
+
+        A single-output node that is computed has let go of its inputs already; it
+        is kept, so views that cached it and this storage name the same value (a
+        buffer that two leaves name is never donated, see sync.donations).
+        """
         node, idx = self.value
         data = node.results[idx]
-        if data is not None and node.op is not None:
+        if data is not None and node.op is not None and (node.inputs or len(node.results) > 1):
             self.value = (Node.leaf(data, node.metas[idx]), 0)
 
 
