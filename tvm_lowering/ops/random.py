@@ -6,8 +6,6 @@ compute, so that the same expression also lives inside a TorchScript forward
 that `relax.transform.Gradient` differentiates: the mask hangs off the seed
 only, and `where`'s gradient rule stops at its boolean condition.
 """
-import math
-
 from tvm import relax
 
 from . import rule
@@ -21,17 +19,28 @@ def _i64(v):
 
 
 def keep_mask(imp, seed, out_shape, p):
-    """Bool tensor of `out_shape`: uniform(seed, flat index) >= p."""
-    n = math.prod(out_shape)
+    """Bool tensor of `out_shape`: uniform(seed, flat index) >= p.
+
+    The hash starts from flat * K + seed (mod 2**32), summed here as one small
+    per-axis term idx_i * (stride_i * K mod 2**32) at a time, broadcast against
+    the seed: no full-size index tensor exists that constant folding could bake
+    into the program.
+    """
     m32 = _i64(0xFFFFFFFF)
-    h = emit(imp, op.arange(0, n, 1, "int64"))
-    h = emit(imp, op.bitwise_and(op.add(op.multiply(h, _i64(0x9E3779B1)), op.bitwise_and(seed, m32)), m32))
+    h = op.bitwise_and(seed, m32)
+    stride = 1
+    for axis in reversed(range(len(out_shape))):
+        idx = op.arange(0, out_shape[axis], 1, "int64")
+        idx = op.reshape(idx, [out_shape[axis]] + [1] * (len(out_shape) - 1 - axis))
+        h = op.add(h, op.multiply(idx, _i64((stride * 0x9E3779B1) & 0xFFFFFFFF)))
+        stride *= out_shape[axis]
+    h = emit(imp, op.bitwise_and(h, m32))
     for shift, mul in ((16, 0x85EBCA6B), (13, 0xC2B2AE35)):
         h = emit(imp, op.bitwise_xor(h, op.right_shift(h, _i64(shift))))
         h = emit(imp, op.bitwise_and(op.multiply(h, _i64(mul)), m32))
     h = emit(imp, op.bitwise_xor(h, op.right_shift(h, _i64(16))))
     u = op.multiply(op.astype(op.right_shift(h, _i64(8)), "float32"), relax.const(1.0 / (1 << 24), "float32"))
-    return emit(imp, op.reshape(op.greater_equal(u, relax.const(p, "float32")), out_shape))
+    return emit(imp, op.greater_equal(u, relax.const(p, "float32")))
 
 
 def dropout(imp, x, seed, p):
