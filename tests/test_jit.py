@@ -11,6 +11,7 @@ import ratex
 import tvm_lowering
 from ratex import jit
 from ratex.lazy_tensor_core.core import lazy_model as lm
+from ratex.core import random
 from ratex.lazy_tensor_core.debug import metrics
 
 from models import LeNet5
@@ -339,3 +340,32 @@ def test_dropout_draws_the_masks_of_the_unscripted_model_in_one_program(dev):
         _close(a, b)
     for (name, a), b in zip(scripted.state_dict().items(), lazy.state_dict().values()):
         _close(a.cpu(), b.cpu())
+
+
+def test_cpu_kernels_of_a_script_replay_its_masks_and_buffer_writes(dev):
+    """script_fwd/script_bwd's CPU kernels (what runs if the program can't be built) agree with it."""
+    torch.manual_seed(10)
+    model = jit.script(BnDropNet(p=0.4))
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    model.to(dev)
+    x = torch.randn(5, 1, 6, 6)
+    torch.manual_seed(11)
+    out = model(x.to(dev))
+    out.sum().backward()
+    lm.mark_step()
+    (entry,) = model._entries.values()
+    script = entry.script
+    torch.manual_seed(11)
+    seeds = [random.new_seed() for _ in range(script.n_seeds)]  # those the call drew
+    args = [x] + [state[p] for p in script.attr_paths] + list(script.consts) + seeds
+    cpu_outs = torch.ops.ratex.script_fwd(entry.key, args)
+    assert len(cpu_outs) == 1 + len(script.writes) == 1 + 6  # two BNs: mean, var, num_batches_tracked
+    _close(cpu_outs[0], out.detach().cpu())
+    buffers = dict(model.named_buffers())
+    for path, new in zip(script.writes, cpu_outs[1:]):
+        _close(new, buffers[path].cpu())
+        assert not torch.equal(new, state[path])  # written to the output, not the argument
+    grads = torch.ops.ratex.script_bwd(entry.key, args + [torch.ones_like(cpu_outs[0])])
+    params = dict(model.named_parameters())
+    for i, g in zip(script.diff, grads):
+        _close(g, params[script.attr_paths[i - script.n_inputs]].grad.cpu())
