@@ -189,11 +189,6 @@ class _Converter:
                 return path
         return None
 
-    def _write(self, path, node):
-        if path is None:
-            raise ConversionError("the forward writes in place to a model input or a computed tensor's view")
-        self.writes[path] = node
-
     def _order_placeholders(self):
         """Parameters in the order Script promises: inputs, attrs, consts, seeds."""
         phs = [n for n in self.g.nodes if n.op == "placeholder"]
@@ -292,29 +287,25 @@ class _Converter:
         if rebind is not None:
             self._set(rebind, self.env[outs[0].unique()])
         if written_path is not None:
-            self._write(written_path, self.env[outs[0].unique()])
+            self.writes[written_path] = self.env[outs[0].unique()]
 
     def _batch_norm(self, out, x, weight, bias, running_mean, running_var, training, momentum, eps):
         """aten::batch_norm as a functional op; in training its new running stats become writes."""
-        if not training:
-            if running_mean is None:
-                op, ins = aten._native_batch_norm_legit.no_stats, [x, weight, bias, False, momentum, eps]
-            else:
-                op, ins = aten._native_batch_norm_legit_no_training.default, [
-                    x, weight, bias, running_mean, running_var, momentum, eps]
-            self._set(out, self._call(op, ins)[0])
-            return
-        if running_mean is None:
-            self._set(out, self._call(aten._native_batch_norm_legit.no_stats, [x, weight, bias, True, momentum, eps])[0])
-            return
-        paths = [self._path_of(running_mean), self._path_of(running_var)]
-        if None in paths:
-            raise ConversionError("batch_norm updates running stats that are not buffers of the model")
-        op = aten._native_batch_norm_legit_functional.default
-        result = self._call(op, [x, weight, bias, running_mean, running_var, True, momentum, eps])
+        if running_mean is None:  # batch statistics, nothing to keep
+            op, ins = aten._native_batch_norm_legit.no_stats, [x, weight, bias, training, momentum, eps]
+        elif not training:
+            op, ins = aten._native_batch_norm_legit_no_training.default, [
+                x, weight, bias, running_mean, running_var, momentum, eps]
+        else:
+            op, ins = aten._native_batch_norm_legit_functional.default, [
+                x, weight, bias, running_mean, running_var, True, momentum, eps]
+            paths = [self._path_of(running_mean), self._path_of(running_var)]
+            if None in paths:
+                raise ConversionError("batch_norm updates running stats that are not buffers of the model")
+        result = self._call(op, ins)
         self._set(out, result[0])
-        self._write(paths[0], result[3])
-        self._write(paths[1], result[4])
+        if op is aten._native_batch_norm_legit_functional.default:
+            self.writes.update(zip(paths, result[3:5]))
 
     def _split_args(self, op, ins):
         """Positional and keyword arguments as an fx graph has them: defaults left out."""
