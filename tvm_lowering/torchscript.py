@@ -258,8 +258,10 @@ class _Converter:
                 return
             if op not in _SEEDED_DROPOUTS or not 0 < ins[1] < 1:
                 raise ConversionError(f"{op} with p={ins[1]} in training mode")
-            op, ins = torch.ops.ratex.seeded_dropout.default, [ins[0], self._seed(), float(ins[1])]
-            self._set(outs[0], self._call(op, ins)[0])
+            out = self._call(torch.ops.ratex.seeded_dropout.default, [ins[0], self._seed(), float(ins[1])])[0]
+            self._set(outs[0], out)
+            if op is aten.dropout_.default:  # later reads of the input see the dropped-out value
+                self._set(list(node.inputs())[0], out)
             return
         if op is aten.batch_norm.default:
             self._batch_norm(outs[0], *ins[:8])
