@@ -354,7 +354,39 @@ def _cpu_copy(model: nn.Module) -> nn.Module:
         memo[id(p)] = nn.Parameter(cpu(p), requires_grad=p.requires_grad)
     for b in model.buffers():
         memo[id(b)] = cpu(b)
-    return copy.deepcopy(model, memo)
+    copied = copy.deepcopy(model, memo)
+    for m in copied.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.momentum is None and m.track_running_stats:
+            m.forward = _CumulativeBatchNorm(m)
+    return copied
+
+
+class _CumulativeBatchNorm:
+    """BatchNorm(momentum=None)'s forward as tensor ops, so that it traces.
+
+    PyTorch reads `1 / num_batches_tracked` into a Python float (a trace would freeze
+    it); here the factor stays a tensor and the running stats are updated with
+    in-place ops, which the converter turns into buffer writes. Same formulas as
+    PyTorch's kernel: stat = (1 - f) * stat + f * batch stat, unbiased variance.
+    """
+
+    def __init__(self, bn):
+        self.bn = bn
+
+    def __call__(self, x):
+        bn = self.bn
+        if not bn.training:
+            return type(bn).forward(bn, x)
+        bn._check_input_dim(x)
+        bn.num_batches_tracked.add_(1)
+        out = F.batch_norm(x, None, None, bn.weight, bn.bias, True, 0.0, bn.eps)
+        with torch.no_grad():
+            dims = [0] + list(range(2, x.dim()))
+            mean, var = x.mean(dims), x.var(dims, correction=1)
+            f = bn.num_batches_tracked.to(bn.running_mean.dtype).reciprocal()
+            bn.running_mean.mul_(1.0 - f).add_(mean * f)
+            bn.running_var.mul_(1.0 - f).add_(var * f)
+        return out
 
 
 def script(model: nn.Module) -> ScriptModule:

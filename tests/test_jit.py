@@ -46,15 +46,15 @@ class TwoHeads(nn.Module):
 
 
 class BnDropNet(nn.Module):
-    """BatchNorm 2d and 1d (running stats, num_batches_tracked) around an optional dropout."""
+    """BatchNorm 2d and 1d (running stats: exponential and cumulative, num_batches_tracked), optional dropout."""
 
-    def __init__(self, p=0.0):
+    def __init__(self, p=0.0, momentum=None):
         super().__init__()
         self.conv = nn.Conv2d(1, 4, 3)
         self.bn2 = nn.BatchNorm2d(4)
         self.drop = nn.Dropout(p)
         self.fc = nn.Linear(4 * 4 * 4, 6)
-        self.bn1 = nn.BatchNorm1d(6, momentum=0.3)
+        self.bn1 = nn.BatchNorm1d(6, momentum=momentum)  # None: cumulative average
 
     def forward(self, x):
         h = self.drop(F.relu(self.bn2(self.conv(x)))).flatten(1)
@@ -308,7 +308,7 @@ def test_batch_norm_trains_like_cpu_and_updates_running_stats(dev):
 def test_dropout_draws_the_masks_of_the_unscripted_model_in_one_program(dev):
     def run(scripted):
         torch.manual_seed(8)
-        model = BnDropNet(p=0.4)
+        model = BnDropNet(p=0.4, momentum=0.3)  # the lazy path reads a cumulative factor with .item()
         if scripted:
             model = jit.script(model)
         model.to(dev)

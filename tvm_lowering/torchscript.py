@@ -115,6 +115,23 @@ _DROPOUTS = {
 _SEEDED_DROPOUTS = {aten.dropout.default, aten.dropout_.default}  # native_dropout's elementwise masks
 
 
+# c10::ScalarType's numbering: TorchScript passes a dtype argument as this int.
+_SCALAR_TYPES = (
+    torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.float32, torch.float64,
+    torch.complex32, torch.complex64, torch.complex128, torch.bool, torch.qint8, torch.quint8, torch.qint32,
+    torch.bfloat16,
+)
+
+
+def _with_dtypes(op, ins):
+    """`ins` with each ScalarType argument as a torch.dtype (what the lowering rules expect)."""
+    out = list(ins)
+    for i, (a, x) in enumerate(zip(op._schema.arguments, ins)):
+        if type(x) is int and "ScalarType" in str(a.real_type):
+            out[i] = _SCALAR_TYPES[x]
+    return out
+
+
 def _functional_twin(op):
     """For an in-place `name_` overload return the functional `name` overload (or None)."""
     name = op._schema.name.split("::")[1]
@@ -252,6 +269,7 @@ class _Converter:
         op = _overload(node)
         if op is aten._convolution.default:  # what tracing records for conv: same math, fewer flags
             op, ins = aten.convolution.default, ins[:9]
+        ins = _with_dtypes(op, ins)
         if op in _DROPOUTS:
             if ins[1] == 0 or not ins[2]:  # p == 0 or eval mode: identity
                 self._set(outs[0], ins[0])
