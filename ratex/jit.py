@@ -11,6 +11,13 @@ node `ratex::script_fwd(key, tensors)`; autograd's backward records ONE node
 `relax.transform.Gradient`. At `mark_step` both are inlined into the step's
 program with the loss and optimizer update.
 
+Training-mode state is explicit: each call draws one seed per training dropout
+from torch's generator, exactly as the plain lazy path's dropout does (so
+`torch.manual_seed` repeats runs, and a scripted model draws the masks the
+unscripted one would), and passes them as inputs; buffers the forward writes
+(BatchNorm's running stats, `num_batches_tracked`) come back as extra outputs
+that are copied into the module's buffers.
+
 Models that tracing cannot capture faithfully (the tracer raises, or warns:
 data-dependent control flow, `.item()`), or whose graph cannot be converted,
 get a warning and run on the plain lazy device, with the same results.
@@ -20,12 +27,14 @@ import hashlib
 import warnings
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils import _pytree as pytree
 from torch.utils.weak import WeakIdKeyDictionary
 
 from tvm_lowering import LoweringError, torchscript
-from .core.tensor import is_lazy
+from .core import random
+from .core.tensor import LazyTensor, is_lazy
 
 __all__ = ["script", "ScriptModule"]
 
@@ -71,18 +80,22 @@ def _script_fwd_cpu(key, args):
 @torch.library.impl(_lib, "script_bwd", "CPU")
 def _script_bwd_cpu(key, args):
     script = _scripts[key]
-    n = len(args) - len(script.out_metas)
+    n = len(args) - script.n_outs
     with torch._C._ForceDispatchKeyGuard(*_PLAIN_TLS), torch.enable_grad():
         inputs = [a.detach() for a in args[:n]]
         diff = [inputs[i].requires_grad_(True) for i in script.diff]
-        outs = _cpu_runners[key](inputs)
+        outs = _cpu_runners[key](inputs)[: script.n_outs]
         pairs = [(o, g) for o, g in zip(outs, args[n:]) if o.requires_grad]
         grads = torch.autograd.grad([o for o, _ in pairs], diff, [g for _, g in pairs], allow_unused=True)
     return [torch.zeros_like(d) if g is None else g.detach().clone() for g, d in zip(grads, diff)]
 
 
 class _Runner:
-    """Runs the traced forward on CPU with given inputs, attributes and constants."""
+    """Runs the traced forward on CPU with given inputs, attributes, constants and seeds.
+
+    Returns the model's outputs and then the new values of the buffers it writes,
+    like the script's Relax forward.
+    """
 
     def __init__(self, cpu_model, script, training):
         self.model, self.script, self.training = cpu_model, script, training
@@ -91,9 +104,31 @@ class _Runner:
         s = self.script
         inputs = args[: s.n_inputs]
         attrs = dict(zip(s.attr_paths, args[s.n_inputs : s.n_inputs + len(s.attr_paths)]))
+        for path in s.writes:  # the forward writes these in place; the caller's stay as they are
+            attrs[path] = attrs[path].clone()
+        seeds = args[len(args) - s.n_seeds :] if s.n_seeds else []
         self.model.train(self.training)
-        out = torch.func.functional_call(self.model, attrs, tuple(inputs), tie_weights=False, strict=False)
-        return pytree.tree_leaves(out)
+        with _SeededDropout(seeds):
+            out = torch.func.functional_call(self.model, attrs, tuple(inputs), tie_weights=False, strict=False)
+        return pytree.tree_leaves(out) + [attrs[path] for path in s.writes]
+
+
+class _SeededDropout(torch.overrides.TorchFunctionMode):
+    """Training dropouts take their masks from `seeds`, in call order, as the script's do."""
+
+    def __init__(self, seeds):
+        super().__init__()
+        self.seeds = iter(seeds)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.dropout or func is torch.dropout:
+            names = ("input", "p", "training") if func is F.dropout else ("input", "p", "train")
+            a = dict(zip(names, args), **kwargs)
+            x, p, training = a["input"], a.get("p", 0.5), a.get(names[2], True)
+            if training and 0 < p < 1:
+                return random.seeded_dropout(x, next(self.seeds), p)[0]
+        return func(*args, **kwargs)
 
 
 class _ScriptCall(torch.autograd.Function):
@@ -102,16 +137,17 @@ class _ScriptCall(torch.autograd.Function):
     @staticmethod
     def forward(ctx, key, *tensors):
         outs = torch.ops.ratex.script_fwd(key, list(tensors))
+        n_outs = _scripts[key].n_outs
         ctx.key = key
         ctx.save_for_backward(*tensors)
-        ctx.mark_non_differentiable(*[o for o in outs if not o.dtype.is_floating_point])
+        ctx.mark_non_differentiable(*[o for i, o in enumerate(outs) if i >= n_outs or not o.dtype.is_floating_point])
         return tuple(outs)
 
     @staticmethod
     def backward(ctx, *grad_outs):
         script = _scripts[ctx.key]
         tensors = list(ctx.saved_tensors)
-        grads = torch.ops.ratex.script_bwd(ctx.key, tensors + list(grad_outs))
+        grads = torch.ops.ratex.script_bwd(ctx.key, tensors + list(grad_outs[: script.n_outs]))
         result = [None] * (len(tensors) + 1)
         for i, g in zip(script.diff, grads):
             if ctx.needs_input_grad[i + 1]:
@@ -180,12 +216,20 @@ class ScriptModule(nn.Module):
         if entry.key is None:
             return self._orig(*args)
         script = entry.script
-        tensors = list(args) + [attrs[p] for p in script.attr_paths] + entry.consts
+        seeds = [LazyTensor.from_cpu(random.new_seed(), adopt=True) for _ in range(script.n_seeds)]
+        tensors = list(args) + [attrs[p] for p in script.attr_paths] + entry.consts + seeds
         if torch.is_grad_enabled() and any(tensors[i].requires_grad for i in script.diff):
+            # Autograd keeps the inputs for the backward; the buffers written below must not
+            # be among them (their version changes), so the call gets a snapshot of each.
+            written = {script.attr_paths.index(p) + script.n_inputs for p in script.writes}
+            tensors = [t.detach().clone() if i in written else t for i, t in enumerate(tensors)]
             outs = _ScriptCall.apply(entry.key, *tensors)
         else:
             outs = torch.ops.ratex.script_fwd(entry.key, tensors)
-        return pytree.tree_unflatten(list(outs), script.out_spec)
+        with torch.no_grad():
+            for path, new in zip(script.writes, outs[script.n_outs :]):
+                attrs[path].copy_(new)
+        return pytree.tree_unflatten(list(outs[: script.n_outs]), script.out_spec)
 
     def _attrs(self):
         """(dotted name, tensor) of every parameter and buffer, tied ones under each name."""
@@ -202,11 +246,13 @@ class ScriptModule(nn.Module):
         try:
             cpu = self._cpu_model()
             cpu.train(self.training)
-            examples = tuple(_example(a) for a in args)
-            with warnings.catch_warnings():
+            # Tracing runs the model (dropout draws random numbers): leave torch's generator
+            # where it was, so the seeds drawn per call stay those of the unscripted model.
+            with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
                 # Shape checks warn too, and shapes are what a trace is specialized on; data
                 # reads are caught by _DataReads instead.
                 warnings.simplefilter("ignore", torch.jit.TracerWarning)
+                examples = tuple(_example(a) for a in args)
                 with _DataReads(list(examples) + list(cpu.parameters()) + list(cpu.buffers())):
                     traced = torch.jit.trace(cpu, examples, check_trace=False)
             graph = traced.inlined_graph
@@ -308,7 +354,39 @@ def _cpu_copy(model: nn.Module) -> nn.Module:
         memo[id(p)] = nn.Parameter(cpu(p), requires_grad=p.requires_grad)
     for b in model.buffers():
         memo[id(b)] = cpu(b)
-    return copy.deepcopy(model, memo)
+    copied = copy.deepcopy(model, memo)
+    for m in copied.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.momentum is None and m.track_running_stats:
+            m.forward = _CumulativeBatchNorm(m)
+    return copied
+
+
+class _CumulativeBatchNorm:
+    """BatchNorm(momentum=None)'s forward as tensor ops, so that it traces.
+
+    PyTorch reads `1 / num_batches_tracked` into a Python float (a trace would freeze
+    it); here the factor stays a tensor and the running stats are updated with
+    in-place ops, which the converter turns into buffer writes. Same formulas as
+    PyTorch's kernel: stat = (1 - f) * stat + f * batch stat, unbiased variance.
+    """
+
+    def __init__(self, bn):
+        self.bn = bn
+
+    def __call__(self, x):
+        bn = self.bn
+        if not bn.training:
+            return type(bn).forward(bn, x)
+        bn._check_input_dim(x)
+        bn.num_batches_tracked.add_(1)
+        out = F.batch_norm(x, None, None, bn.weight, bn.bias, True, 0.0, bn.eps)
+        with torch.no_grad():
+            dims = [0] + list(range(2, x.dim()))
+            mean, var = x.mean(dims), x.var(dims, correction=1)
+            f = bn.num_batches_tracked.to(bn.running_mean.dtype).reciprocal()
+            bn.running_mean.mul_(1.0 - f).add_(mean * f)
+            bn.running_var.mul_(1.0 - f).add_(var * f)
+        return out
 
 
 def script(model: nn.Module) -> ScriptModule:

@@ -22,8 +22,9 @@ step is also left out: it is the one whose ATen ops are counted), seconds of
 the first step (compile included), ratio of the median to eager's, the final
 loss, and for ratex cells whether it equals eager's final loss to 4 decimals and
 how many programs were compiled. Models with dropout (mnist-b64) draw different
-random masks on each system, so that check is marked 'n/a (dropout)' (dropout
-is not disabled: the benchmark measures the model as it trains). A
+random masks than eager does, so that check is marked 'n/a (dropout)' (dropout
+is not disabled: the benchmark measures the model as it trains); ratex_script
+draws ratex_lazy's masks, so its loss is checked against ratex_lazy's. A
 ratex_script cell whose model jit.script could not script (it then runs on the
 plain lazy device) is footnoted with ratex's warning.
 
@@ -374,7 +375,12 @@ def report(models, systems, cells, args):
             if s in RATEX:
                 loss = f"{r['final_loss']:.4f}"
                 compiles = str(r.get("compiles", ""))
-                if SPECS[m].dropout:
+                lazy = cells.get((m, "ratex_lazy"))
+                if SPECS[m].dropout and s == "ratex_script" and lazy is not None and "error" not in lazy:
+                    # Same seeds, same masks: the scripted model must train exactly as the lazy one.
+                    same = round(r["final_loss"], 4) == round(lazy["final_loss"], 4)
+                    check = "yes (= ratex_lazy)" if same else f"NO (ratex_lazy {lazy['final_loss']:.4f})"
+                elif SPECS[m].dropout:
                     check = "n/a (dropout)"
                 elif not eager_ok:
                     check = "- (no eager)"

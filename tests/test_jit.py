@@ -11,6 +11,7 @@ import ratex
 import tvm_lowering
 from ratex import jit
 from ratex.lazy_tensor_core.core import lazy_model as lm
+from ratex.core import random
 from ratex.lazy_tensor_core.debug import metrics
 
 from models import LeNet5
@@ -42,6 +43,22 @@ class TwoHeads(nn.Module):
     def forward(self, x):
         h = torch.tanh(self.body(x)).view(x.size(0), -1)
         return self.a(h), self.b(h).sigmoid()
+
+
+class BnDropNet(nn.Module):
+    """BatchNorm 2d and 1d (running stats: exponential and cumulative, num_batches_tracked), optional dropout."""
+
+    def __init__(self, p=0.0, momentum=None):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3)
+        self.bn2 = nn.BatchNorm2d(4)
+        self.drop = nn.Dropout(p)
+        self.fc = nn.Linear(4 * 4 * 4, 6)
+        self.bn1 = nn.BatchNorm1d(6, momentum=momentum)  # None: cumulative average
+
+    def forward(self, x):
+        h = self.drop(F.relu(self.bn2(self.conv(x)))).flatten(1)
+        return F.log_softmax(self.bn1(self.fc(h)), 1)
 
 
 def _close(a, b):
@@ -263,3 +280,92 @@ def test_forward_backward_and_update_are_one_program(dev):
     lm.wait_device_ops()
     assert metrics.counter_value("CachedCompile") == 1  # forward, backward, loss and update: one program
     assert metrics.counter_value("UncachedCompile") is None
+
+
+def test_batch_norm_trains_like_cpu_and_updates_running_stats(dev):
+    model, ref = _pair(BnDropNet)
+    model = jit.script(model).to(dev)
+    torch.manual_seed(6)
+    batches = [(torch.randn(5, 1, 6, 6), torch.randint(0, 6, (5,))) for _ in range(5)]
+    compiles = []
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="ratex.jit.script")
+        _train(model, ref, batches, F.nll_loss, dev, lr=0.1,
+               on_step=lambda s: compiles.append(metrics.counter_value("UncachedCompile")))
+    assert compiles == [compiles[0]] * len(compiles), f"recompiled after the first step: {compiles}"
+    assert metrics.counter_value("ratex::script_fwd.default") == 5
+    for (name, b), (_, want) in zip(model.named_buffers(), ref.named_buffers()):
+        assert b.device == dev, name
+        _close(b.cpu(), want)
+    assert int(model.bn2.num_batches_tracked.cpu()) == 5
+    model.eval()
+    ref.eval()
+    x = torch.randn(3, 1, 6, 6)
+    _close(model(x.to(dev)).detach().cpu(), ref(x).detach())  # the running stats, not the batch's
+    _close(model.bn1.running_mean.cpu(), ref.bn1.running_mean)  # eval mode leaves them alone
+
+
+def test_dropout_draws_the_masks_of_the_unscripted_model_in_one_program(dev):
+    def run(scripted):
+        torch.manual_seed(8)
+        model = BnDropNet(p=0.4, momentum=0.3)  # the lazy path reads a cumulative factor with .item()
+        if scripted:
+            model = jit.script(model)
+        model.to(dev)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        torch.manual_seed(9)  # the same seeds: masks must come out the same on both paths
+        losses, programs = [], []
+        for _ in range(4):
+            x, y = torch.randn(5, 1, 6, 6), torch.randint(0, 6, (5,))
+            metrics.reset()
+            opt.zero_grad()
+            loss = F.nll_loss(model(x.to(dev)), y.to(dev))
+            loss.backward()
+            opt.step()
+            lm.mark_step()
+            lm.wait_device_ops()
+            count = metrics.counter_value
+            programs.append(((count("CachedCompile") or 0) + (count("UncachedCompile") or 0),
+                             count("ratex::script_fwd.default"), count("ratex::script_bwd.default")))
+            losses.append(loss.detach().cpu())
+        return losses, programs, model
+
+    want, _, lazy = run(scripted=False)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="ratex.jit.script")
+        got, programs, scripted = run(scripted=True)
+    assert programs == [(1, 1, 1)] * 4  # forward with its masks, backward and update: one program a step
+    assert metrics.counter_value("UncachedCompile") is None  # the last step: fresh seeds, cached program
+    for a, b in zip(got, want):
+        _close(a, b)
+    for (name, a), b in zip(scripted.state_dict().items(), lazy.state_dict().values()):
+        _close(a.cpu(), b.cpu())
+
+
+def test_cpu_kernels_of_a_script_replay_its_masks_and_buffer_writes(dev):
+    """script_fwd/script_bwd's CPU kernels (what runs if the program can't be built) agree with it."""
+    torch.manual_seed(10)
+    model = jit.script(BnDropNet(p=0.4))
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    model.to(dev)
+    x = torch.randn(5, 1, 6, 6)
+    torch.manual_seed(11)
+    out = model(x.to(dev))
+    out.sum().backward()
+    lm.mark_step()
+    (entry,) = model._entries.values()
+    script = entry.script
+    torch.manual_seed(11)
+    seeds = [random.new_seed() for _ in range(script.n_seeds)]  # those the call drew
+    args = [x] + [state[p] for p in script.attr_paths] + list(script.consts) + seeds
+    cpu_outs = torch.ops.ratex.script_fwd(entry.key, args)
+    assert len(cpu_outs) == 1 + len(script.writes) == 1 + 6  # two BNs: mean, var, num_batches_tracked
+    _close(cpu_outs[0], out.detach().cpu())
+    buffers = dict(model.named_buffers())
+    for path, new in zip(script.writes, cpu_outs[1:]):
+        _close(new, buffers[path].cpu())
+        assert not torch.equal(new, state[path])  # written to the output, not the argument
+    grads = torch.ops.ratex.script_bwd(entry.key, args + [torch.ones_like(cpu_outs[0])])
+    params = dict(model.named_parameters())
+    for i, g in zip(script.diff, grads):
+        _close(g, params[script.attr_paths[i - script.n_inputs]].grad.cpu())

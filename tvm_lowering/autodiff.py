@@ -222,15 +222,20 @@ def _take_grad(orig_var, orig_call, output_grad, bb):
 
 @_register("relax.nn.dropout")
 def _dropout_grad(orig_var, orig_call, output_grad, bb):
-    raise NotImplementedError("gradient of dropout (random masks are not replayed)")
+    # TVM's dropout op draws no seed; scripted dropout is ratex's seeded where(mask, ...).
+    raise NotImplementedError("gradient of relax.nn.dropout (its random mask cannot be replayed)")
 
 
-def vjp(fwd: relax.Function, diff: list, out_metas: list) -> relax.Function:
-    """Return bwd(fwd's params..., grad_outs...) -> (scalar, (grads of params[diff]...))."""
+def vjp(fwd: relax.Function, diff: list, n_outs: int) -> relax.Function:
+    """Return bwd(fwd's params..., grad_outs...) -> (scalar, (grads of params[diff]...)).
+
+    Only fwd's first `n_outs` outputs get incoming gradients; the rest (new buffer
+    values) are state, not results, and are dead code in bwd.
+    """
     from .torchscript import inline
 
     params = [relax.Var(p.name, p.ty) for p in fwd.params]
-    out_tys = list(fwd.ret_ty.fields)
+    out_tys = list(fwd.ret_ty.fields)[:n_outs]
     grads = [relax.Var(f"grad_out{i}", ty) for i, ty in enumerate(out_tys)]
     bb = relax.BlockBuilder()
     with bb.function("bwd", params + grads):

@@ -6,10 +6,18 @@ node becomes a call of the OpOverload its schema names (`aten::conv2d` ->
 meta tensors, and `import_graph` lowers the fx graph with the same rules.
 
 `convert` returns a `Script`: the Relax forward
-`fwd(inputs..., attrs..., consts...) -> (outputs...)`, the output metas and
-structure, and, built on first use, the backward
-`bwd(inputs..., attrs..., consts..., grad_outputs...) -> (loss, (grads...))`
-that `relax.transform.Gradient` derives from `fwd`. Scripts are registered by
+`fwd(inputs..., attrs..., consts..., seeds...) -> (outputs..., new buffers...)`,
+the output metas and structure, and, built on first use, the backward
+`bwd(inputs..., attrs..., consts..., seeds..., grad_outputs...) -> (loss, (grads...))`
+that `relax.transform.Gradient` derives from `fwd`.
+
+State that a training-mode forward changes becomes explicit: each training
+dropout draws its mask from an int64 `seed` input (`ratex::seeded_dropout`, the
+lazy path's own op, so the same seed gives the same mask on both paths and the
+backward, which recomputes the forward from the same seed, applies it too), and
+buffers written in place (BatchNorm's running stats and `num_batches_tracked`)
+are returned as extra outputs after the model's own, for the caller to write
+back. Scripts are registered by
 key (`register`/`lookup`) so the `script_fwd`/`script_bwd` lowering rules can
 find them. Only metas cross into this module, never tensor data, except
 tensor constants baked into a trace, which become extra `consts` inputs.
@@ -36,23 +44,29 @@ class ConversionError(RuntimeError):
 class Script:
     """A converted forward, its metas, and its (lazily built) backward."""
 
-    def __init__(self, fwd, n_inputs, attr_paths, consts, out_metas, out_spec, diff):
+    def __init__(self, fwd, n_inputs, attr_paths, consts, n_seeds, out_metas, out_spec, writes, diff):
         self.fwd = fwd  # relax.Function
         self.n_inputs = n_inputs
         self.attr_paths = attr_paths  # module attribute path of each attr input, in order
-        self.consts = consts  # CPU tensors baked into the trace, passed as trailing inputs
-        self.out_metas = out_metas  # [(shape, dtype)] of the flat outputs
+        self.consts = consts  # CPU tensors baked into the trace, passed after the attrs
+        self.n_seeds = n_seeds  # int64 0-dim seeds of the training dropouts, the last inputs
+        self.out_metas = out_metas  # [(shape, dtype)] of the flat outputs, new buffers included
         self.out_spec = out_spec  # pytree spec rebuilding the model's output structure
+        self.writes = writes  # attr paths of the buffers the forward writes: the last outputs
+        self.n_outs = len(out_metas) - len(writes)  # the model's own outputs
         self.diff = diff  # indices (into inputs+attrs+consts) that get gradients
         self._bwd = None
         self._lock = threading.Lock()
 
     @property
     def bwd(self):
-        """relax.Function: (inputs..., attrs..., consts..., grad_outs...) -> (loss, (grads...))."""
+        """relax.Function: (inputs..., attrs..., consts..., seeds..., grad_outs...) -> (loss, (grads...)).
+
+        grad_outs are those of the model's own outputs; new buffer values get none.
+        """
         with self._lock:
             if self._bwd is None:
-                self._bwd = autodiff.vjp(self.fwd, self.diff, self.out_metas)
+                self._bwd = autodiff.vjp(self.fwd, self.diff, self.n_outs)
             return self._bwd
 
 
@@ -98,6 +112,24 @@ _DROPOUTS = {
     aten.dropout.default, aten.dropout_.default, aten.feature_dropout.default, aten.alpha_dropout.default,
     aten.feature_alpha_dropout.default,
 }
+_SEEDED_DROPOUTS = {aten.dropout.default, aten.dropout_.default}  # native_dropout's elementwise masks
+
+
+# c10::ScalarType's numbering: TorchScript passes a dtype argument as this int.
+_SCALAR_TYPES = (
+    torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.float32, torch.float64,
+    torch.complex32, torch.complex64, torch.complex128, torch.bool, torch.qint8, torch.quint8, torch.qint32,
+    torch.bfloat16,
+)
+
+
+def _with_dtypes(op, ins):
+    """`ins` with each ScalarType argument as a torch.dtype (what the lowering rules expect)."""
+    out = list(ins)
+    for i, (a, x) in enumerate(zip(op._schema.arguments, ins)):
+        if type(x) is int and "ScalarType" in str(a.real_type):
+            out[i] = _SCALAR_TYPES[x]
+    return out
 
 
 def _functional_twin(op):
@@ -118,6 +150,8 @@ class _Converter:
         self.attr_metas = attr_metas
         self.attr_paths, self.attr_nodes = [], {}
         self.consts, self.const_nodes = [], {}
+        self.seeds = []
+        self.writes = {}  # attr path -> fx node of the value the forward wrote there
         ts_inputs = list(graph.inputs())
         if len(ts_inputs) != len(input_metas) + 1:
             raise ConversionError(f"graph takes {len(ts_inputs) - 1} inputs, {len(input_metas)} given")
@@ -138,6 +172,8 @@ class _Converter:
         return p
 
     def _attr(self, path):
+        if path in self.writes:  # read after an in-place write: the written value
+            return self.writes[path]
         node = self.attr_nodes.get(path)
         if node is None:
             meta = self.attr_metas.get(path)
@@ -158,6 +194,27 @@ class _Converter:
             self.const_nodes[id(t)] = node
         return node
 
+    def _seed(self):
+        node = self._placeholder(f"seed{len(self.seeds)}", torch.empty((), dtype=torch.int64, device="meta"))
+        self.seeds.append(node)
+        return node
+
+    def _path_of(self, x):
+        """The attr path whose current value is fx node `x` (None: not a parameter or buffer)."""
+        for path, node in list(self.writes.items()) + list(self.attr_nodes.items()):
+            if node is x:
+                return path
+        return None
+
+    def _order_placeholders(self):
+        """Parameters in the order Script promises: inputs, attrs, consts, seeds."""
+        phs = [n for n in self.g.nodes if n.op == "placeholder"]
+        order = phs[: self.n_inputs] + [self.attr_nodes[p] for p in self.attr_paths]
+        order += [self.const_nodes[id(t)] for t in self.consts] + self.seeds
+        anchor = next(n for n in self.g.nodes if n.op != "placeholder")
+        for n in order:
+            anchor.prepend(n)
+
     def run(self):
         for node in self.ts.nodes():
             self._node(node)
@@ -171,7 +228,9 @@ class _Converter:
             if not isinstance(leaf, fx.Node):
                 raise ConversionError(f"the model returns a non-tensor ({type(leaf).__name__})")
             fx_leaves.append(leaf)
+        fx_leaves += list(self.writes.values())
         self.g.output(tuple(fx_leaves))
+        self._order_placeholders()
         metas = [(tuple(n.meta["val"].shape), n.meta["val"].dtype) for n in fx_leaves]
         return metas, spec
 
@@ -210,20 +269,31 @@ class _Converter:
         op = _overload(node)
         if op is aten._convolution.default:  # what tracing records for conv: same math, fewer flags
             op, ins = aten.convolution.default, ins[:9]
+        ins = _with_dtypes(op, ins)
         if op in _DROPOUTS:
             if ins[1] == 0 or not ins[2]:  # p == 0 or eval mode: identity
                 self._set(outs[0], ins[0])
                 return
-            raise ConversionError(f"{op} in training mode (random masks are not replayed in the backward)")
-        rebind = None
+            if op not in _SEEDED_DROPOUTS or not 0 < ins[1] < 1:
+                raise ConversionError(f"{op} with p={ins[1]} in training mode")
+            out = self._call(torch.ops.ratex.seeded_dropout.default, [ins[0], self._seed(), float(ins[1])])[0]
+            self._set(outs[0], out)
+            if op is aten.dropout_.default:  # later reads of the input see the dropped-out value
+                self._set(list(node.inputs())[0], out)
+            return
+        if op is aten.batch_norm.default:
+            self._batch_norm(outs[0], *ins[:8])
+            return
+        rebind = written_path = None
         if op._schema.is_mutable:
             twin = _functional_twin(op)
             written = [i for i, a in enumerate(op._schema.arguments) if a.alias_info and a.alias_info.is_write]
             if twin is None or written != [0]:
                 raise ConversionError(f"in-place op {op} has no functional form")
             src = ins[0]
-            if isinstance(src, fx.Node) and src.op == "placeholder":
-                raise ConversionError(f"{op} writes to a model input, parameter or buffer")
+            written_path = self._path_of(src) if isinstance(src, fx.Node) else None  # a buffer: an output
+            if written_path is None and isinstance(src, fx.Node) and src.op == "placeholder":
+                raise ConversionError(f"{op} writes to a model input")
             op, rebind = twin, list(node.inputs())[0]
         if not any(isinstance(x, fx.Node) for x in pytree.tree_leaves(ins)):
             result = self._fold(op, ins)
@@ -236,6 +306,26 @@ class _Converter:
                 self._set(v, x)
         if rebind is not None:
             self._set(rebind, self.env[outs[0].unique()])
+        if written_path is not None:
+            self.writes[written_path] = self.env[outs[0].unique()]
+
+    def _batch_norm(self, out, x, weight, bias, running_mean, running_var, training, momentum, eps):
+        """aten::batch_norm as a functional op; in training its new running stats become writes."""
+        if running_mean is None:  # batch statistics, nothing to keep
+            op, ins = aten._native_batch_norm_legit.no_stats, [x, weight, bias, training, momentum, eps]
+        elif not training:
+            op, ins = aten._native_batch_norm_legit_no_training.default, [
+                x, weight, bias, running_mean, running_var, momentum, eps]
+        else:
+            op, ins = aten._native_batch_norm_legit_functional.default, [
+                x, weight, bias, running_mean, running_var, True, momentum, eps]
+            paths = [self._path_of(running_mean), self._path_of(running_var)]
+            if None in paths:
+                raise ConversionError("batch_norm updates running stats that are not buffers of the model")
+        result = self._call(op, ins)
+        self._set(out, result[0])
+        if op is aten._native_batch_norm_legit_functional.default:
+            self.writes.update(zip(paths, result[3:5]))
 
     def _split_args(self, op, ins):
         """Positional and keyword arguments as an fx graph has them: defaults left out."""
@@ -329,7 +419,8 @@ def convert(graph, input_metas, attr_metas, diff_inputs=(), diff_attrs=None) -> 
     for j, path in enumerate(conv.attr_paths):
         if (diff_attrs is None or path in diff_attrs) and attr_metas[path][1].is_floating_point:
             diff.append(n_in + j)
-    return Script(fwd, n_in, list(conv.attr_paths), list(conv.consts), out_metas, out_spec, diff)
+    return Script(fwd, n_in, list(conv.attr_paths), list(conv.consts), len(conv.seeds), out_metas, out_spec,
+                  list(conv.writes), diff)
 
 
 def inline(bb: relax.BlockBuilder, func: relax.Function, args) -> relax.Expr:

@@ -28,10 +28,15 @@ def hash_uniform(seed: torch.Tensor, shape) -> torch.Tensor:
     return ((h >> 8).to(torch.float32) * (1.0 / (1 << 24))).reshape(shape)
 
 
-@torch.library.impl(_lib, "seeded_dropout", "CPU")
-def _seeded_dropout_cpu(x, seed, p):
+def seeded_dropout(x: torch.Tensor, seed: torch.Tensor, p: float):
+    """(output, keep mask) of dropout with the mask drawn from `seed`; plain, differentiable torch ops."""
     mask = hash_uniform(seed, x.shape) >= p
     return x * mask * (1.0 / (1.0 - p)), mask
+
+
+@torch.library.impl(_lib, "seeded_dropout", "CPU")
+def _seeded_dropout_cpu(x, seed, p):
+    return seeded_dropout(x, seed, p)
 
 
 @torch.library.register_fake("ratex::seeded_dropout")

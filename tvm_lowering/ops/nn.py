@@ -3,6 +3,8 @@
 Also home of the small helpers the other rule modules share (`arg`, `shape`,
 `dtype`, `out_meta`, ...).
 """
+import math
+
 import numpy as np
 from tvm import relax, te, tirx
 
@@ -273,19 +275,34 @@ def _bn_bcast(imp, v, nd):
     return emit(imp, relax.op.reshape(v, [-1] + [1] * (nd - 2)))
 
 
-@rule("native_batch_norm.default", "_native_batch_norm_legit_no_training.default")
+@rule(
+    "native_batch_norm.default",
+    "_native_batch_norm_legit_no_training.default",
+    "_native_batch_norm_legit_functional.default",
+    "_native_batch_norm_legit.no_stats",
+)
 def native_batch_norm(imp, node):
-    """(out, save_mean, save_invstd); running stats are not updated here (see report)."""
+    """(out, save_mean, save_invstd), plus the new running stats for the functional form.
+
+    native_batch_norm's in-place running-stat update is traced separately on the
+    lazy path (ratex/core/ops.py); `_native_batch_norm_legit_functional` returns
+    them (what a scripted BatchNorm writes back). Built from plain Relax ops, so
+    relax.transform.Gradient can differentiate a scripted forward through it.
+    """
     name = node.target.__name__
     x = env(imp, node.args[0])
     w = env(imp, arg(node, 1, "weight"))
     b = env(imp, arg(node, 2, "bias"))
-    rm = env(imp, arg(node, 3, "running_mean"))
-    rv = env(imp, arg(node, 4, "running_var"))
+    rm = rv = None
+    momentum = 0.0
     if name.startswith("_native_batch_norm_legit_no_training"):
+        rm, rv = env(imp, node.args[3]), env(imp, node.args[4])
         training, eps = False, arg(node, 6, "eps")
+    elif name.startswith("_native_batch_norm_legit.no_stats"):
+        training, eps = arg(node, 3, "training"), arg(node, 5, "eps")
     else:
-        training, eps = arg(node, 5, "training"), arg(node, 7, "eps")
+        rm, rv = env(imp, arg(node, 3, "running_mean")), env(imp, arg(node, 4, "running_var"))
+        training, momentum, eps = arg(node, 5, "training"), arg(node, 6, "momentum"), arg(node, 7, "eps")
     dt = dtype(x)
     nd = len(shape(x))
     axes = [0] + list(range(2, nd))
@@ -308,7 +325,20 @@ def native_batch_norm(imp, node):
         out = emit(imp, relax.op.multiply(out, _bn_bcast(imp, w, nd)))
     if b is not None:
         out = emit(imp, relax.op.add(out, _bn_bcast(imp, b, nd)))
-    return emit(imp, relax.Tuple([out, save_mean, save_invstd]))
+    outs = [out, save_mean, save_invstd]
+    if name.startswith("_native_batch_norm_legit_functional"):
+        if training:
+            # The running variance is unbiased, as PyTorch keeps it: var * n / (n - 1).
+            n = math.prod(shape(x)) // shape(x)[1]
+            unbiased = relax.op.multiply(var, scalar(n / max(n - 1, 1), dt))
+            rm = emit(imp, _lerp(rm, mean, momentum, dt))
+            rv = emit(imp, _lerp(rv, unbiased, momentum, dt))
+        outs += [rm, rv]
+    return emit(imp, relax.Tuple(outs))
+
+
+def _lerp(old, new, momentum, dt):
+    return relax.op.add(relax.op.multiply(old, scalar(1.0 - momentum, dt)), relax.op.multiply(new, scalar(momentum, dt)))
 
 
 # ---- avg_pool2d ---------------------------------------------------------------------------
