@@ -54,6 +54,22 @@ KERNELS = _choice("RATEX_KERNELS", "AUTO", ("AUTO", "TVM", "LIBRARY"))
 # TVM pins its worker threads to cores by default; next to torch's own pool
 # (library kernels run in-process) the two fight for the cores.
 os.environ.setdefault("TVM_BIND_THREADS", "0")
+# One thread budget: a compiled program runs TVM kernels on TVM's pool and library
+# kernels on torch's, one after the other, so both get the same number of threads:
+# RATEX_NUM_THREADS when set, else torch's (OMP_NUM_THREADS or the core count).
+# TVM_NUM_THREADS, when the user set it, is left alone.
+NUM_THREADS = _positive_int("RATEX_NUM_THREADS", 0)
+
+
+def _share_threads():
+    import torch  # noqa: PLC0415  (config is imported before anything else of ratex)
+
+    if NUM_THREADS:
+        torch.set_num_threads(NUM_THREADS)
+    os.environ.setdefault("TVM_NUM_THREADS", str(torch.get_num_threads()))
+
+
+_share_threads()
 # Buffer donation: at mark_step, a tensor whose new value the step computes gives
 # its old buffer to that computation, which writes the update in place where
 # tvm_lowering/inplace.py proves it safe (the peak memory of a training step drops

@@ -104,6 +104,17 @@ def test_bad_ratex_device_fails_at_import():
     assert "RATEX_DEVICE='TPU'" in proc.stderr and "CPU, GPU" in proc.stderr
 
 
+def test_one_thread_budget_for_tvm_and_torch():
+    probe = "import os, torch, ratex; print(torch.get_num_threads(), os.environ['TVM_NUM_THREADS'])"
+    env = {k: v for k, v in os.environ.items() if k not in ("TVM_NUM_THREADS", "RATEX_NUM_THREADS")}
+    run = lambda **kw: subprocess.run([sys.executable, "-c", probe], env=dict(env, **kw), capture_output=True, text=True)
+    assert run(RATEX_NUM_THREADS="1").stdout.split() == ["1", "1"]
+    torch_threads, tvm_threads = run().stdout.split()
+    assert torch_threads == tvm_threads
+    bad = run(RATEX_NUM_THREADS="many")
+    assert bad.returncode != 0 and "RATEX_NUM_THREADS='many'" in bad.stderr
+
+
 def test_factories_and_indexing_with_python_and_cpu_indices(dev):
     t = torch.tensor([[1.0, 2.0, 3.0]], device=dev)
     assert t.device == dev
