@@ -43,30 +43,34 @@ def _host_cpu() -> str:
     return str(tvm.target.codegen.llvm_get_system_cpu()) if hasattr(tvm.target, "codegen") else "generic"
 
 
-def _cpu_pipeline():
-    """TVM's CPU pipeline with ratex's schedules applied to the fused kernels."""
+def _cpu_pipeline(kernel_pass=None, schedule=True):
+    """TVM's CPU pipeline; `kernel_pass` (tuning) and then ratex's schedules run on the fused kernels."""
     from tvm.relax.backend.cpu_generic import pipeline as cpu
     return (
         cpu.library_dispatch_passes(None)
         + cpu.legalize_passes(None)
-        + [cpu_schedule()]
+        + ([kernel_pass] if kernel_pass is not None else [])
+        + ([cpu_schedule()] if schedule else [])
         + cpu.dataflow_lower_passes(None)
         + cpu.finalize_passes(None)
     )
 
 
-def build(mod: tvm.IRModule, target: Target, library: bool = False):
+def build(mod: tvm.IRModule, target: Target, library: bool = False, kernel_pass=None):
     """Compile `mod` with fusion (FuseOps/FuseTIR) for `target`; return a tvm executable.
 
     With `library`, conv2d/conv2d_transpose/matmul left in the module become
     calls to the ratex.lib.* kernel library (see library_dispatch.py).
+    `kernel_pass` (CPU only) runs on the module right after FuseTIR, before the
+    default schedules: the tuning pass (tuning.py) schedules kernels there.
     """
     # CSE removes the forward that a script's backward recomputes; DCE what nothing reads.
     cleanup = [relax.transform.EliminateCommonSubexpr(), relax.transform.DeadCodeElimination()]
     if library:
         cleanup.append(library_dispatch)
-    if target.kind == "CPU" and os.environ.get("RATEX_CPU_SCHEDULE", "1") != "0":
-        pipeline = tvm.transform.Sequential(cleanup + _cpu_pipeline())
+    if target.kind == "CPU":
+        schedule = os.environ.get("RATEX_CPU_SCHEDULE", "1") != "0"
+        pipeline = tvm.transform.Sequential(cleanup + _cpu_pipeline(kernel_pass, schedule))
     else:
         pipeline = tvm.transform.Sequential(cleanup + [relax.get_default_pipeline(target.tvm)])
     with target.tvm:

@@ -1,0 +1,251 @@
+"""MetaSchedule auto-tuning of the TVM-generated CPU kernels (RATEX_TUNE).
+
+A `Tuner` owns one MetaSchedule JSON database (a directory inside the compile
+cache). Its pass runs in the CPU pipeline after FuseTIR, before ratex's default
+schedules: every kernel (PrimFunc) gets the best schedule the database holds
+for it; with `trials` > 0, kernels the database has never seen are tuned first
+(`trials` measured candidates each). Kernels without a usable record keep the
+default schedules (schedules.py).
+
+Kernels are named by MetaSchedule's workload hash. A compile reports, per
+kernel, a fingerprint of the records it used (`None`: none), so the disk cache
+can tell a program compiled before its kernels were tuned (or retuned) from a
+current one (`Tuner.is_current`).
+
+Measuring runs in this process: TVM's LocalBuilder/LocalRunner need worker
+processes (and cloudpickle, which is not installed), and on a 2-core machine a
+second process only competes with the one being measured. MetaSchedule's CPU
+candidates are verified before they are built, but a candidate that crashed
+would take the process with it.
+"""
+import contextlib
+import importlib
+import importlib.util
+import itertools
+import logging
+import os
+import sys
+
+import tvm
+from tvm import tirx
+from tvm.s_tir import meta_schedule as ms
+from tvm.s_tir.meta_schedule.runner.utils import alloc_argument_common, run_evaluator_common
+from tvm.s_tir.meta_schedule.tune_context import _normalize_mod
+from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock
+from tvm.ir.utils import derived_object
+
+_FAILED = 1e10  # MetaSchedule's run time of a candidate that failed to build or run
+# Enough repeats to rank candidates on a busy machine; each measurement stays short.
+_EVALUATOR = ms.runner.EvaluatorConfig(number=3, repeat=1, min_repeat_ms=20, enable_cpu_cache_flush=False)
+
+
+@derived_object
+class _InProcessBuilder(ms.builder.PyBuilder):
+    """Builds candidates in this process; the runner picks the module up by its artifact name."""
+
+    def __init__(self):
+        super().__init__()
+        self.built = {}
+        self._ids = itertools.count()
+
+    def build(self, build_inputs):
+        results = []
+        for inp in build_inputs:
+            try:
+                rt_mod = _build_candidate(inp.mod, inp.target)
+            except Exception as err:  # noqa: BLE001 - a candidate that does not build is a failed trial
+                results.append(ms.builder.BuilderResult(None, f"build failed: {err}"))
+                continue
+            name = f"ratex-candidate-{next(self._ids)}"
+            self.built[name] = rt_mod
+            results.append(ms.builder.BuilderResult(name, None))
+        return results
+
+
+def _build_candidate(mod, target):
+    # MetaSchedule's default_build, less its import of tvm.s_tir.tensor_intrin:
+    # that registers every target's tensor intrinsics (tens of seconds of CPU),
+    # and float CPU kernels use none of them.
+    mod = RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod)
+    return tvm.tirx.build(mod, target)
+
+
+@derived_object
+class _InProcessRunner(ms.runner.PyRunner):
+    """Times candidates built by `builder` on random inputs, in this process."""
+
+    def __init__(self, builder):
+        super().__init__()
+        self.builder = builder
+        self.fill = tvm.get_global_func("tvm.contrib.random.random_fill_for_measure")
+
+    def run(self, runner_inputs):
+        futures = []
+        for inp in runner_inputs:
+            rt_mod = self.builder.built.pop(str(inp.artifact_path))
+            try:
+                dev = tvm.runtime.device(str(inp.device_type), 0)
+                args = alloc_argument_common(self.fill, dev, [a.as_json() for a in inp.args_info], 1)
+                res, error = run_evaluator_common(rt_mod, dev, _EVALUATOR, args), None
+            except Exception as err:  # noqa: BLE001 - a candidate that fails to run is a failed trial
+                res, error = None, f"run failed: {err}"
+            futures.append(ms.runner.local_runner.LocalRunnerFuture(res=res, error_message=error))
+        return futures
+
+
+def _register_cpu_intrinsics():
+    """Register the x86 tensor intrinsics MetaSchedule's CPU rules name, and only those.
+
+    TuneContext imports tvm.s_tir.tensor_intrin, whose CUDA part alone takes
+    tens of seconds to parse; a CPU tuner needs none of it. Seeding the package
+    (with its real path) lets TuneContext's import find it already loaded.
+    """
+    name = "tvm.s_tir.tensor_intrin"
+    if name not in sys.modules:
+        spec = importlib.util.find_spec(name)
+        package = importlib.util.module_from_spec(spec)
+        sys.modules[name] = package
+        importlib.import_module(f"{name}.x86")
+
+
+def _workload_hash(workload: tvm.IRModule) -> str:
+    return str(ms.database.Workload(workload).as_json()[0])
+
+
+def _mean(record):
+    secs = [float(s) for s in record.run_secs or ()]
+    return sum(secs) / len(secs) if secs else _FAILED
+
+
+class Report:
+    """What the tuning pass did in one compile."""
+
+    def __init__(self):
+        self.kernels = {}  # workload hash -> fingerprint of the records used (None: untuned)
+        self.tuned = 0  # kernels tuned
+        self.applied = 0  # kernels given a tuned schedule
+
+
+class Tuner:
+    """The tuning database in `work_dir` for `target`; tunes unseen kernels with `trials` trials (0: never)."""
+
+    def __init__(self, work_dir: str, target: tvm.target.Target, trials: int = 0):
+        self.work_dir = work_dir
+        self.trials = trials
+        # MetaSchedule's CPU rules size parallel loops by the core count, which the target must name.
+        cores = int(os.environ.get("TVM_NUM_THREADS") or os.cpu_count() or 1)
+        self.target = tvm.target.Target({**target.export(), "num-cores": cores})
+        self._db = None
+        self._records = None  # workload hash -> fingerprint of its records
+
+    # ---- the database ---------------------------------------------------------------
+    def database(self, create: bool = False):
+        """The database, opened on first use; None if it does not exist and `create` is false."""
+        if self._db is None and (create or os.path.isdir(self.work_dir)):
+            os.makedirs(self.work_dir, mode=0o700, exist_ok=True)
+            self._db = ms.database.JSONDatabase(work_dir=self.work_dir, allow_missing=True)
+        return self._db
+
+    def records(self) -> dict:
+        """Workload hash -> fingerprint of its tuning records ('count:best seconds'), for every tuned kernel."""
+        if self._records is None:
+            db = self.database()
+            groups = {}
+            for rec in db.get_all_tuning_records() if db is not None else ():
+                groups.setdefault(_workload_hash(rec.workload.mod), []).append(_mean(rec))
+            self._records = {h: f"{len(ts)}:{min(ts):.3e}" for h, ts in groups.items()}
+        return self._records
+
+    def is_current(self, kernels) -> bool:
+        """Whether a program compiled with `kernels` (hash -> fingerprint) would compile the same now."""
+        if not kernels:
+            return True
+        records = self.records()
+        if self.trials and any(h not in records for h in kernels):
+            return False  # has kernels to tune
+        return all(records.get(h) == fp for h, fp in kernels.items())
+
+    # ---- tuning ---------------------------------------------------------------------
+    def tune(self, kernels: dict, progress=None):
+        """Tune `kernels` (workload hash -> (name, workload module)), one after another.
+
+        `progress(name)` is called after each kernel.
+        """
+        _register_cpu_intrinsics()
+        db = self.database(create=True)
+        builder = _InProcessBuilder()
+        runner = _InProcessRunner(builder)
+        for h, (name, workload) in kernels.items():
+            ctx = ms.TuneContext(
+                mod=workload, target=self.target, space_generator="post-order-apply",
+                search_strategy=self._search(), task_name=name, num_threads=1,
+                logger=_quiet_logger(name),
+            ).clone()
+            ms.tune_tasks(
+                tasks=[ctx], task_weights=[1.0], work_dir=self.work_dir,
+                max_trials_global=self.trials, num_trials_per_iter=min(self.trials, 64),
+                builder=builder, runner=runner, database=db, cost_model="random",
+                measure_callbacks=[ms.measure_callback.AddToDatabase()],
+            )
+            self._records = None
+            if h not in self.records():
+                # No candidate was measured: a failed record stops every later compile
+                # from tuning it again (queries skip failed records).
+                db.commit_tuning_record(ms.database.TuningRecord(
+                    tvm.s_tir.schedule.Trace([], {}), db.commit_workload(workload), run_secs=[_FAILED],
+                    target=self.target,
+                ))
+                self._records = None
+            if progress is not None:
+                progress(name)
+
+    def _search(self):
+        # Without xgboost the cost model is random, so evolving a large population
+        # buys nothing: sample a pool a few times the trials and measure from it.
+        population = min(512, max(16, 8 * self.trials))
+        return ms.search_strategy.EvolutionarySearch(
+            population_size=population, init_min_unmeasured=population, genetic_num_iters=1,
+        )
+
+    # ---- the pipeline pass ----------------------------------------------------------
+    def pass_(self, report: Report, on_tune=None):
+        """The pass that tunes (if enabled) and applies the database's records, noting what it did in `report`.
+
+        `on_tune(count)` returns a context manager for tuning `count` new kernels
+        that yields a per-kernel callback (progress bar, timing), or None.
+        """
+
+        @tvm.transform.module_pass(opt_level=0, name="RatexTuneAndApply")
+        def apply(mod, _ctx):
+            kernels = {}  # GlobalVar -> (workload, hash)
+            for gv, func in mod.functions_items():
+                if isinstance(func, tirx.PrimFunc) and not (func.attrs and func.attrs.get("tirx.is_scheduled")):
+                    workload = _normalize_mod(func)
+                    kernels[gv] = (workload, _workload_hash(workload))
+            if self.trials:
+                todo = {}
+                for gv, (workload, h) in kernels.items():
+                    if h not in self.records():
+                        todo.setdefault(h, (gv.name_hint, workload))
+                if todo:
+                    with on_tune(len(todo)) if on_tune else contextlib.nullcontext() as step:
+                        self.tune(todo, step)
+                    report.tuned += len(todo)
+            records = self.records()
+            for gv, (workload, h) in kernels.items():
+                report.kernels[h] = records.get(h)
+                sch = self.database().query_schedule(workload, self.target, gv.name_hint) if h in records else None
+                if sch is not None:
+                    func = sch.mod["main"].without_attr("global_symbol").with_attr("tirx.is_scheduled", True)
+                    mod.update_func(gv, func)
+                    report.applied += 1
+            return mod
+
+        return apply
+
+
+def _quiet_logger(name):
+    """MetaSchedule logs each task's search at INFO; keep it out of the user's terminal."""
+    logger = logging.getLogger(f"ratex.tuning.{name}")
+    logger.setLevel(logging.WARNING)
+    return logger
