@@ -206,6 +206,8 @@ def run_cell(model_name, system, steps, warmup, caught=()):
         tr, ex = sum(traces[timed]) / step_sum, sum(execs[timed]) / step_sum
         result["share"] = {"trace": tr, "execute": ex, "other": 1.0 - tr - ex}
         result["counters"] = {k: metrics.counter_value(k) for k in metrics.counter_names()}
+        tuning = metrics.metric_data("TuneTime")  # RATEX_TUNE: seconds spent tuning kernels
+        result["tune_s"] = tuning[1] if tuning else 0.0
     return result
 
 

@@ -12,85 +12,118 @@ kernel, a fingerprint of the records it used (`None`: none), so the disk cache
 can tell a program compiled before its kernels were tuned (or retuned) from a
 current one (`Tuner.is_current`).
 
-Measuring runs in this process: TVM's LocalBuilder/LocalRunner need worker
-processes (and cloudpickle, which is not installed), and on a 2-core machine a
-second process only competes with the one being measured. MetaSchedule's CPU
-candidates are verified before they are built, but a candidate that crashed
-would take the process with it.
+Candidates are built in this process and timed one at a time in one worker
+process (tuning_worker.py), so a candidate that crashes cannot take the
+training process with it. TVM's own LocalBuilder/LocalRunner are not used:
+they need cloudpickle (not installed) and a process pool per kind, too many
+processes for a 2-core machine.
 """
 import contextlib
 import importlib
 import importlib.util
 import itertools
+import json
 import logging
 import os
+import select
+import subprocess
 import sys
+import tempfile
 
 import tvm
 from tvm import tirx
 from tvm.s_tir import meta_schedule as ms
-from tvm.s_tir.meta_schedule.runner.utils import alloc_argument_common, run_evaluator_common
 from tvm.s_tir.meta_schedule.tune_context import _normalize_mod
 from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock
 from tvm.ir.utils import derived_object
 
 _FAILED = 1e10  # MetaSchedule's run time of a candidate that failed to build or run
 # Enough repeats to rank candidates on a busy machine; each measurement stays short.
-_EVALUATOR = ms.runner.EvaluatorConfig(number=3, repeat=1, min_repeat_ms=20, enable_cpu_cache_flush=False)
+_NUMBER, _MIN_REPEAT_MS = 3, 20
+_RUN_TIMEOUT_S = 60
 
 
 @derived_object
-class _InProcessBuilder(ms.builder.PyBuilder):
-    """Builds candidates in this process; the runner picks the module up by its artifact name."""
+class _Builder(ms.builder.PyBuilder):
+    """Builds candidates in this process into libraries under `tmp_dir`."""
 
-    def __init__(self):
+    def __init__(self, tmp_dir):
         super().__init__()
-        self.built = {}
+        self.tmp_dir = tmp_dir
         self._ids = itertools.count()
 
     def build(self, build_inputs):
         results = []
         for inp in build_inputs:
+            path = os.path.join(self.tmp_dir, f"candidate-{next(self._ids)}.so")
             try:
-                rt_mod = _build_candidate(inp.mod, inp.target)
+                _build_candidate(inp.mod, inp.target).export_library(path)
+                results.append(ms.builder.BuilderResult(path, None))
             except Exception as err:  # noqa: BLE001 - a candidate that does not build is a failed trial
                 results.append(ms.builder.BuilderResult(None, f"build failed: {err}"))
-                continue
-            name = f"ratex-candidate-{next(self._ids)}"
-            self.built[name] = rt_mod
-            results.append(ms.builder.BuilderResult(name, None))
         return results
 
 
 def _build_candidate(mod, target):
-    # MetaSchedule's default_build, less its import of tvm.s_tir.tensor_intrin:
-    # that registers every target's tensor intrinsics (tens of seconds of CPU),
-    # and float CPU kernels use none of them.
+    # MetaSchedule's default_build, less its import of tvm.s_tir.tensor_intrin
+    # (see _register_cpu_intrinsics).
     mod = RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod)
     return tvm.tirx.build(mod, target)
 
 
 @derived_object
-class _InProcessRunner(ms.runner.PyRunner):
-    """Times candidates built by `builder` on random inputs, in this process."""
+class _Runner(ms.runner.PyRunner):
+    """Times candidates in a worker process (tuning_worker.py), one at a time.
 
-    def __init__(self, builder):
+    TVM's LocalRunner needs cloudpickle (not installed) and a process pool; one
+    worker suits a 2-core machine, where a second measuring process would only
+    disturb the first. A candidate that crashes or hangs takes the worker down
+    and is recorded as failed; the next one gets a new worker.
+    """
+
+    def __init__(self):
         super().__init__()
-        self.builder = builder
-        self.fill = tvm.get_global_func("tvm.contrib.random.random_fill_for_measure")
+        self.command = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuning_worker.py")]
+        self.proc = None
 
     def run(self, runner_inputs):
         futures = []
         for inp in runner_inputs:
-            rt_mod = self.builder.built.pop(str(inp.artifact_path))
-            try:
-                dev = tvm.runtime.device(str(inp.device_type), 0)
-                args = alloc_argument_common(self.fill, dev, [a.as_json() for a in inp.args_info], 1)
-                res, error = run_evaluator_common(rt_mod, dev, _EVALUATOR, args), None
-            except Exception as err:  # noqa: BLE001 - a candidate that fails to run is a failed trial
-                res, error = None, f"run failed: {err}"
-            futures.append(ms.runner.local_runner.LocalRunnerFuture(res=res, error_message=error))
+            request = {
+                "lib": str(inp.artifact_path), "args": [list(a.as_json()) for a in inp.args_info],
+                "number": _NUMBER, "min_repeat_ms": _MIN_REPEAT_MS,
+            }
+            answer = self._ask(request)
+            with contextlib.suppress(OSError):
+                os.remove(request["lib"])  # measured once; the database keeps the trace, not the code
+            futures.append(ms.runner.local_runner.LocalRunnerFuture(
+                res=answer.get("costs"), error_message=None if "costs" in answer else answer["error"],
+            ))
         return futures
+
+    def _ask(self, request):
+        if self.proc is None:
+            self.proc = subprocess.Popen(
+                self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+            )
+        try:
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+            ready, _, _ = select.select([self.proc.stdout], [], [], _RUN_TIMEOUT_S)
+            line = self.proc.stdout.readline() if ready else ""
+        except OSError:
+            line = ""
+        if line:
+            return json.loads(line)
+        self.close()
+        return {"error": "the candidate crashed or hung the measuring process"}
+
+    def close(self):
+        """End the worker process."""
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
 
 
 def _register_cpu_intrinsics():
@@ -173,31 +206,38 @@ class Tuner:
         """
         _register_cpu_intrinsics()
         db = self.database(create=True)
-        builder = _InProcessBuilder()
-        runner = _InProcessRunner(builder)
-        for h, (name, workload) in kernels.items():
-            ctx = ms.TuneContext(
-                mod=workload, target=self.target, space_generator="post-order-apply",
-                search_strategy=self._search(), task_name=name, num_threads=1,
-                logger=_quiet_logger(name),
-            ).clone()
-            ms.tune_tasks(
-                tasks=[ctx], task_weights=[1.0], work_dir=self.work_dir,
-                max_trials_global=self.trials, num_trials_per_iter=min(self.trials, 64),
-                builder=builder, runner=runner, database=db, cost_model="random",
-                measure_callbacks=[ms.measure_callback.AddToDatabase()],
-            )
+        runner = _Runner()
+        with tempfile.TemporaryDirectory(prefix="ratex-tune-") as tmp:
+            builder = _Builder(tmp)
+            try:
+                for h, (name, workload) in kernels.items():
+                    self._tune_one(db, builder, runner, h, name, workload)
+                    if progress is not None:
+                        progress(name)
+            finally:
+                runner.close()
+
+    def _tune_one(self, db, builder, runner, h, name, workload):
+        ctx = ms.TuneContext(
+            mod=workload, target=self.target, space_generator="post-order-apply",
+            search_strategy=self._search(), task_name=name, num_threads=1,
+            logger=_quiet_logger(name),
+        ).clone()
+        ms.tune_tasks(
+            tasks=[ctx], task_weights=[1.0], work_dir=self.work_dir,
+            max_trials_global=self.trials, num_trials_per_iter=min(self.trials, 64),
+            builder=builder, runner=runner, database=db, cost_model="random",
+            measure_callbacks=[ms.measure_callback.AddToDatabase()],
+        )
+        self._records = None
+        if h not in self.records():
+            # No candidate was even generated: a failed record stops every later
+            # compile from tuning it again (queries skip failed records).
+            db.commit_tuning_record(ms.database.TuningRecord(
+                tvm.s_tir.schedule.Trace([], {}), db.commit_workload(workload), run_secs=[_FAILED],
+                target=self.target,
+            ))
             self._records = None
-            if h not in self.records():
-                # No candidate was measured: a failed record stops every later compile
-                # from tuning it again (queries skip failed records).
-                db.commit_tuning_record(ms.database.TuningRecord(
-                    tvm.s_tir.schedule.Trace([], {}), db.commit_workload(workload), run_secs=[_FAILED],
-                    target=self.target,
-                ))
-                self._records = None
-            if progress is not None:
-                progress(name)
 
     def _search(self):
         # Without xgboost the cost model is random, so evolving a large population
