@@ -5,8 +5,10 @@ import subprocess
 import sys
 
 import pytest
+import tvm
 
 from ratex import config
+from tvm_lowering import tuning
 from tvm_lowering.pipeline import resolve_target
 from tvm_lowering.tuning import Tuner
 
@@ -124,3 +126,28 @@ def test_tuning_needs_a_cache_dir(monkeypatch):
         config._tune_trials()
     monkeypatch.setenv("RATEX_TUNE", "0")  # off: nothing to store
     assert config._tune_trials() == 0
+
+
+def _add_kernel_lib(path):
+    from tvm import te
+
+    a = te.placeholder((64,), "float32", name="a")
+    idx = te.placeholder((64,), "int64", name="idx")
+    out = te.compute((64,), lambda i: a[idx[i]] + 1.0, name="out")  # a gather: needs in-bounds indices
+    tvm.tirx.build(tvm.IRModule({"main": te.create_prim_func([a, idx, out])}), "llvm").export_library(str(path))
+    return {"lib": str(path), "args": [["TENSOR", "float32", [64]], ["TENSOR", "int64", [64]],
+                                       ["TENSOR", "float32", [64]]], "number": 2, "min_repeat_ms": 1}
+
+
+def test_worker_times_a_candidate_and_survives_a_crashing_one(tmp_path):
+    runner = tuning._Runner()
+    request = _add_kernel_lib(tmp_path / "add.so")
+    try:
+        costs = runner._ask(request)["costs"]
+        assert len(costs) == 1 and 0 < costs[0] < 1
+        runner.close()
+        runner.command = [sys.executable, "-c", "import os, sys; sys.stdin.readline(); os.abort()"]
+        assert "crashed" in runner._ask(request)["error"]
+        assert runner.proc is None  # the next candidate gets a new worker
+    finally:
+        runner.close()

@@ -43,7 +43,8 @@ def tuning(count: int, stream=None):
     if not getattr(stream, "isatty", lambda: False)():
         yield lambda name: None
         return
-    with tqdm(total=count, desc="ratex: tuning kernels", unit="kernel", file=stream, leave=False) as bar:
+    # mininterval=0: updates come seconds apart, each worth drawing
+    with tqdm(total=count, desc="ratex: tuning kernels", unit="kernel", file=stream, leave=False, mininterval=0) as bar:
 
         def step(name):
             bar.set_postfix_str(name, refresh=False)
