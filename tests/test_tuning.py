@@ -146,7 +146,8 @@ def test_worker_times_a_candidate_and_survives_a_crashing_one(tmp_path):
         costs = runner._ask(request)["costs"]
         assert len(costs) == 1 and 0 < costs[0] < 1
         runner.close()
-        runner.command = [sys.executable, "-c", "import os, sys; sys.stdin.readline(); os.abort()"]
+        crash = "import os, sys; print('{}', flush=True); sys.stdin.readline(); os.abort()"
+        runner.command = [sys.executable, "-c", crash]
         assert "crashed" in runner._ask(request)["error"]
         assert runner.proc is None  # the next candidate gets a new worker
     finally:

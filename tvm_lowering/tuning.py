@@ -25,6 +25,7 @@ import itertools
 import json
 import logging
 import os
+import platform
 import select
 import subprocess
 import sys
@@ -41,6 +42,7 @@ _FAILED = 1e10  # MetaSchedule's run time of a candidate that failed to build or
 # Enough repeats to rank candidates on a busy machine; each measurement stays short.
 _NUMBER, _MIN_REPEAT_MS = 3, 20
 _RUN_TIMEOUT_S = 60
+_START_TIMEOUT_S = 300
 
 
 @derived_object
@@ -106,17 +108,26 @@ class _Runner(ms.runner.PyRunner):
             self.proc = subprocess.Popen(
                 self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
             )
+            # Importing TVM takes a while on a busy machine; that is not the candidate's time.
+            if self._read(_START_TIMEOUT_S) is None:
+                self.close()
+                return {"error": "the measuring process did not start"}
         try:
             self.proc.stdin.write(json.dumps(request) + "\n")
             self.proc.stdin.flush()
-            ready, _, _ = select.select([self.proc.stdout], [], [], _RUN_TIMEOUT_S)
-            line = self.proc.stdout.readline() if ready else ""
         except OSError:
-            line = ""
-        if line:
-            return json.loads(line)
-        self.close()
-        return {"error": "the candidate crashed or hung the measuring process"}
+            pass
+        answer = self._read(_RUN_TIMEOUT_S)
+        if answer is None:
+            self.close()
+            return {"error": "the candidate crashed or hung the measuring process"}
+        return answer
+
+    def _read(self, timeout):
+        """The worker's next JSON line, or None if it died or said nothing for `timeout` seconds."""
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        line = self.proc.stdout.readline() if ready else ""
+        return json.loads(line) if line else None
 
     def close(self):
         """End the worker process."""
@@ -126,19 +137,22 @@ class _Runner(ms.runner.PyRunner):
             self.proc = None
 
 
+_HOST_INTRINSICS = {"x86_64": "x86", "AMD64": "x86", "aarch64": "arm_cpu", "arm64": "arm_cpu"}
+
+
 def _register_cpu_intrinsics():
-    """Register the x86 tensor intrinsics MetaSchedule's CPU rules name, and only those.
+    """Register the tensor intrinsics MetaSchedule's rules for this CPU name, and only those.
 
     TuneContext imports tvm.s_tir.tensor_intrin, whose CUDA part alone takes
     tens of seconds to parse; a CPU tuner needs none of it. Seeding the package
     (with its real path) lets TuneContext's import find it already loaded.
     """
     name = "tvm.s_tir.tensor_intrin"
-    if name not in sys.modules:
-        spec = importlib.util.find_spec(name)
-        package = importlib.util.module_from_spec(spec)
+    host = _HOST_INTRINSICS.get(platform.machine())
+    if name not in sys.modules and host is not None:
+        package = importlib.util.module_from_spec(importlib.util.find_spec(name))
         sys.modules[name] = package
-        importlib.import_module(f"{name}.x86")
+        importlib.import_module(f"{name}.{host}")
 
 
 def _workload_hash(workload: tvm.IRModule) -> str:

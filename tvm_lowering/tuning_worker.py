@@ -1,6 +1,6 @@
 """The process that times tuning candidates (run as a script by tuning.py; imports only TVM).
 
-Reads one JSON request per line on stdin -- {"lib": path of a compiled kernel,
+Says {"ready": true} once started, then reads one JSON request per line on stdin -- {"lib": path of a compiled kernel,
 "args": MetaSchedule argument infos, "number", "min_repeat_ms"} -- and answers
 each with one JSON line on stdout: {"costs": [seconds, ...]} or {"error": text}.
 A candidate that crashes ends this process, not the one compiling the model:
@@ -36,6 +36,8 @@ def main():
     fill = tvm.get_global_func("tvm.contrib.random.random_fill_for_measure")
     out = sys.stdout
     sys.stdout = sys.stderr  # nothing but answers on the pipe
+    out.write(json.dumps({"ready": True}) + "\n")
+    out.flush()
     for line in sys.stdin:
         req = json.loads(line)
         try:
