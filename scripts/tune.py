@@ -4,18 +4,22 @@
     .venv/bin/python scripts/tune.py mlp-b128 --trials 8 --cache-dir /tmp/ratex-tune
 
 First a few training steps of MODEL (scripts/bench_models.py) run with
-RATEX_KERNELS=tvm and RATEX_TUNE=--trials: every TVM kernel of the step that
-has no record in the cache dir's tuning database is tuned, and the compiled
-programs are stored in the cache. Later training with the same RATEX_CACHE_DIR
-(RATEX_TUNE set or not) uses those records.
+RATEX_TUNE=--trials, once with RATEX_KERNELS=tvm and once with
+RATEX_KERNELS=library: every TVM kernel of the step that has no record in the
+cache dir's tuning database is tuned, and the compiled programs are stored in
+the cache. Later training with the same RATEX_CACHE_DIR (RATEX_TUNE set or
+not) uses those records.
 
 Then the step is timed (as scripts/bench.py times a cell: fresh process per
 configuration, median ms/step after --warmup steps) under:
 
-  untuned   RATEX_KERNELS=tvm, no cache dir: TVM kernels with ratex's default schedules
-  tuned     RATEX_KERNELS=tvm, the cache dir: the tuned programs
-  library   RATEX_KERNELS=library, no cache dir: matmul/conv by PyTorch's CPU kernels
-  eager     CPU PyTorch, for reference
+  untuned         RATEX_KERNELS=tvm, no cache dir: every kernel TVM's, ratex's default schedules
+  tuned           RATEX_KERNELS=tvm, the cache dir: the same kernels, tuned
+  library         RATEX_KERNELS=library, no cache dir: matmul/conv by PyTorch's CPU kernels,
+                  the rest TVM's with the default schedules
+  library+tuned   RATEX_KERNELS=library, the cache dir: the rest tuned (what RATEX_TUNE
+                  gives with the default RATEX_KERNELS=auto)
+  eager           CPU PyTorch, for reference
 
 Kernels that already have records are not tuned again: pass a fresh --cache-dir
 to measure tuning from scratch. Timings on a shared machine are noisy.
@@ -29,11 +33,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench  # noqa: E402  (runs the cells)
 from bench_models import MODELS  # noqa: E402
 
-CONFIGS = [  # name, system, environment
-    ("untuned", "ratex_lazy", {"RATEX_KERNELS": "tvm", "RATEX_CACHE_DIR": ""}),
-    ("tuned", "ratex_lazy", {"RATEX_KERNELS": "tvm"}),  # + RATEX_CACHE_DIR=--cache-dir
-    ("library", "ratex_lazy", {"RATEX_KERNELS": "library", "RATEX_CACHE_DIR": ""}),
-    ("eager", "eager", {}),
+CONFIGS = [  # name, system, RATEX_KERNELS, whether it uses the tuning records in --cache-dir
+    ("untuned", "ratex_lazy", "tvm", False),
+    ("tuned", "ratex_lazy", "tvm", True),
+    ("library", "ratex_lazy", "library", False),
+    ("library+tuned", "ratex_lazy", "library", True),
+    ("eager", "eager", None, False),
 ]
 
 
@@ -63,6 +68,12 @@ def _cell(model, system, args, env, steps, warmup):
     return result
 
 
+def _programs(counters):
+    """How a configuration with the tuning records got its programs."""
+    loaded = counters.get("PersistentCacheHit") or 0
+    return f"{loaded} loaded" if loaded else f"compiled, {counters.get('TunedKernelsApplied') or 0} tuned kernels"
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -84,40 +95,40 @@ def main():
         p.error(f"--steps must be at least --warmup + 2 = {args.warmup + 2}")
     cache_dir = os.path.abspath(args.cache_dir)
 
-    print(f"{args.model}: pre-tuning with RATEX_TUNE={args.trials} RATEX_KERNELS=tvm, cache {cache_dir}, "
-          f"{args.threads if args.threads > 0 else 'default'} thread(s)", flush=True)
-    # Three steps: an optimizer's first step traces a different graph than the later ones.
-    env = _env(args, RATEX_KERNELS="tvm", RATEX_CACHE_DIR=cache_dir, RATEX_TUNE=str(args.trials))
-    pre = _cell(args.model, "ratex_lazy", args, env, steps=3, warmup=1)
-    tuned_kernels = pre["counters"].get("TunedKernels") or 0
-    print(f"tuning: {tuned_kernels} kernels tuned in {pre['tune_s']:.1f} s "
-          f"({pre['wall_s']:.1f} s for the whole pre-tuning process, compiles included)"
-          + ("" if tuned_kernels else "; every kernel already had records in this cache dir"), flush=True)
+    for kernels in ("tvm", "library"):
+        print(f"{args.model}: pre-tuning with RATEX_TUNE={args.trials} RATEX_KERNELS={kernels}, cache {cache_dir}, "
+              f"{args.threads if args.threads > 0 else 'default'} thread(s)", flush=True)
+        # Three steps: an optimizer's first step traces a different graph than the later ones.
+        env = _env(args, RATEX_KERNELS=kernels, RATEX_CACHE_DIR=cache_dir, RATEX_TUNE=str(args.trials))
+        pre = _cell(args.model, "ratex_lazy", args, env, steps=3, warmup=1)
+        tuned = pre["counters"].get("TunedKernels") or 0
+        print(f"  tuning: {tuned} kernels tuned in {pre['tune_s']:.1f} s "
+              f"({pre['wall_s']:.1f} s for the whole pre-tuning process, compiles included)"
+              + ("" if tuned else "; every kernel already had records in this cache dir"), flush=True)
 
     rows = []
     results = {}
-    for name, system, extra in CONFIGS:
-        env = _env(args, **extra)
-        if name == "tuned":
-            env["RATEX_CACHE_DIR"] = cache_dir
+    for name, system, kernels, with_records in CONFIGS:
+        env = _env(args)
+        if kernels is not None:
+            env.update(RATEX_KERNELS=kernels, RATEX_CACHE_DIR=cache_dir if with_records else "")
         r = results[name] = _cell(args.model, system, args, env, args.steps, args.warmup)
         counters = r.get("counters", {})
-        if name == "tuned" and counters.get("TunedKernels"):
-            sys.exit("the tuned configuration tuned kernels itself: pre-tuning missed part of the step")
+        if counters.get("TunedKernels"):
+            sys.exit(f"the {name} configuration tuned kernels itself: pre-tuning missed part of the step")
         print(f"  {name}: {r['median_ms']:.2f} ms/step", file=sys.stderr, flush=True)
         base = results.get("untuned")
         rows.append([
-            name, extra.get("RATEX_KERNELS", "-"), f"{r['median_ms']:.2f}",
+            name, kernels or "-", f"{r['median_ms']:.2f}",
             f"{r['median_ms'] / base['median_ms']:.2f}x" if base else "-",
             f"{r['final_loss']:.4f}",
-            str(counters.get("TunedKernelsApplied", 0)) if name == "tuned" else "-",
-            str(counters.get("PersistentCacheHit", 0)) if name == "tuned" else "-",
+            _programs(counters) if with_records else "-",
         ])
     print()
     print(f"{args.model}, {args.trials} trials per kernel: median ms/step over steps "
           f"{args.warmup + 1}..{args.steps - 1}")
-    print(bench.table(["config", "RATEX_KERNELS", "ms/step", "vs untuned", "final loss",
-                       "tuned kernels compiled", "programs from cache"], rows))
+    print(bench.table(["config", "RATEX_KERNELS", "ms/step", "vs untuned", "final loss", "tuned programs"],
+                      rows))
 
 
 if __name__ == "__main__":
