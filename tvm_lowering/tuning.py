@@ -184,6 +184,7 @@ class Tuner:
         self.target = tvm.target.Target({**target.export(), "num-cores": cores})
         self._db = None
         self._records = None  # workload hash -> fingerprint of its records
+        self._hashes = {}  # the database's workload objects -> their hash (hashing costs ~1 ms)
 
     # ---- the database ---------------------------------------------------------------
     def database(self, create: bool = False):
@@ -199,7 +200,10 @@ class Tuner:
             db = self.database()
             groups = {}
             for rec in db.get_all_tuning_records() if db is not None else ():
-                groups.setdefault(_workload_hash(rec.workload.mod), []).append(_mean(rec))
+                h = self._hashes.get(rec.workload)  # records share their workload's object
+                if h is None:
+                    h = self._hashes[rec.workload] = _workload_hash(rec.workload.mod)
+                groups.setdefault(h, []).append(_mean(rec))
             self._records = {h: f"{len(ts)}:{min(ts):.3e}" for h, ts in groups.items()}
         return self._records
 
