@@ -128,13 +128,17 @@ def test_tuning_needs_a_cache_dir(monkeypatch):
     assert config._tune_trials() == 0
 
 
-def _add_kernel_lib(path):
+def _gather_kernel():
     from tvm import te
 
     a = te.placeholder((64,), "float32", name="a")
     idx = te.placeholder((64,), "int64", name="idx")
     out = te.compute((64,), lambda i: a[idx[i]] + 1.0, name="out")  # a gather: needs in-bounds indices
-    tvm.tirx.build(tvm.IRModule({"main": te.create_prim_func([a, idx, out])}), "llvm").export_library(str(path))
+    return te.create_prim_func([a, idx, out])
+
+
+def _add_kernel_lib(path):
+    tvm.tirx.build(tvm.IRModule({"main": _gather_kernel()}), "llvm").export_library(str(path))
     return {"lib": str(path), "args": [["TENSOR", "float32", [64]], ["TENSOR", "int64", [64]],
                                        ["TENSOR", "float32", [64]]], "number": 2, "min_repeat_ms": 1}
 
@@ -152,3 +156,20 @@ def test_worker_times_a_candidate_and_survives_a_crashing_one(tmp_path):
         assert runner.proc is None  # the next candidate gets a new worker
     finally:
         runner.close()
+
+
+def test_a_kernel_that_cannot_be_tuned_keeps_the_default_schedule(tmp_path, monkeypatch):
+    def fails(*_args):
+        raise RuntimeError("no schedule for you")
+
+    monkeypatch.setattr(Tuner, "_tune_one", fails)
+    mod = tvm.IRModule({"gather": _gather_kernel()})
+    target = resolve_target("CPU").tvm
+    report = tuning.Report()
+    with pytest.warns(UserWarning, match="could not tune gather .*no schedule for you"):
+        out = Tuner(str(tmp_path / "db"), target, trials=2).pass_(report)(mod)
+    assert report.tuned == 1 and report.applied == 0
+    assert "tirx.is_scheduled" not in out["gather"].attrs  # left to the default schedules
+    again = tuning.Report()
+    Tuner(str(tmp_path / "db"), target, trials=2).pass_(again)(mod)
+    assert again.tuned == 0 and again.applied == 0  # the failure is remembered, not retried

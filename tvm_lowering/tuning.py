@@ -30,6 +30,7 @@ import select
 import subprocess
 import sys
 import tempfile
+import warnings
 
 import tvm
 from tvm import tirx
@@ -229,7 +230,12 @@ class Tuner:
             builder = _Builder(tmp)
             try:
                 for h, (name, workload) in kernels.items():
-                    self._tune_one(db, builder, runner, h, name, workload)
+                    try:
+                        self._tune_one(db, builder, runner, h, name, workload)
+                    except Exception as err:  # noqa: BLE001 - the kernel keeps its default schedule
+                        warnings.warn(f"ratex tuning: could not tune {name} ({type(err).__name__}: "
+                                      f"{str(err)[:200]}); it keeps the default schedule", stacklevel=2)
+                        self._commit_failed(db, workload)
                     if progress is not None:
                         progress(name)
             finally:
@@ -248,14 +254,18 @@ class Tuner:
             measure_callbacks=[ms.measure_callback.AddToDatabase()],
         )
         self._records = None
-        if h not in self.records():
-            # No candidate was even generated: a failed record stops every later
-            # compile from tuning it again (queries skip failed records).
-            db.commit_tuning_record(ms.database.TuningRecord(
-                tvm.s_tir.schedule.Trace([], {}), db.commit_workload(workload), run_secs=[_FAILED],
-                target=self.target,
-            ))
-            self._records = None
+        if h not in self.records():  # no candidate was even generated
+            self._commit_failed(db, workload)
+
+    def _commit_failed(self, db, workload):
+        """Record that `workload` has no tuned schedule, so later compiles do not tune it again.
+
+        Queries skip failed records: the kernel keeps the default schedule.
+        """
+        db.commit_tuning_record(ms.database.TuningRecord(
+            tvm.s_tir.schedule.Trace([], {}), db.commit_workload(workload), run_secs=[_FAILED], target=self.target,
+        ))
+        self._records = None
 
     def _search(self):
         # Without xgboost the cost model is random, so evolving a large population
@@ -264,6 +274,15 @@ class Tuner:
         return ms.search_strategy.EvolutionarySearch(
             population_size=population, init_min_unmeasured=population, genetic_num_iters=1,
         )
+
+    def _schedule(self, workload, name):
+        """The best record's schedule of `workload` replayed, or None (none usable)."""
+        try:
+            return self.database().query_schedule(workload, self.target, name)
+        except Exception as err:  # noqa: BLE001 - a record that no longer replays: default schedule
+            warnings.warn(f"ratex tuning: the record of {name} does not apply ({type(err).__name__}: "
+                          f"{str(err)[:200]}); it keeps the default schedule", stacklevel=2)
+            return None
 
     # ---- the pipeline pass ----------------------------------------------------------
     def pass_(self, report: Report, on_tune=None):
@@ -292,7 +311,7 @@ class Tuner:
             records = self.records()
             for gv, (workload, h) in kernels.items():
                 report.kernels[h] = records.get(h)
-                sch = self.database().query_schedule(workload, self.target, gv.name_hint) if h in records else None
+                sch = self._schedule(workload, gv.name_hint) if h in records else None
                 if sch is not None:
                     func = sch.mod["main"].without_attr("global_symbol").with_attr("tirx.is_scheduled", True)
                     mod.update_func(gv, func)
