@@ -7,6 +7,9 @@ for it; with `trials` > 0, kernels the database has never seen are tuned first
 (`trials` measured candidates each). Kernels without a usable record keep the
 default schedules (schedules.py).
 
+Every tuned kernel also gets a record of ratex's default schedule, measured
+the same way, so a short random search never replaces it by a slower one.
+
 Kernels are named by MetaSchedule's workload hash. A compile reports, per
 kernel, a fingerprint of the records it used (`None`: none), so the disk cache
 can tell a program compiled before its kernels were tuned (or retuned) from a
@@ -38,6 +41,8 @@ from tvm.s_tir import meta_schedule as ms
 from tvm.s_tir.meta_schedule.tune_context import _normalize_mod
 from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock
 from tvm.ir.utils import derived_object
+
+from .schedules import default_schedule
 
 _FAILED = 1e10  # MetaSchedule's run time of a candidate that failed to build or run
 # Enough repeats to rank candidates on a busy machine; each measurement stays short.
@@ -253,9 +258,31 @@ class Tuner:
             builder=builder, runner=runner, database=db, cost_model="random",
             measure_callbacks=[ms.measure_callback.AddToDatabase()],
         )
+        self._commit_default(db, builder, runner, workload)
         self._records = None
         if h not in self.records():  # no candidate was even generated
             self._commit_failed(db, workload)
+
+    def _commit_default(self, db, builder, runner, workload):
+        """Measure the default schedule (schedules.py) too, as one more record.
+
+        With few trials a random search can end below ratex's hand-written
+        schedule; the database's best is then the default, never worse.
+        """
+        sch = default_schedule(workload["main"], self.target)
+        if sch is None:
+            return  # the default leaves this kernel unscheduled; any measured candidate is better
+        (built,) = builder.build([ms.builder.BuilderInput(sch.mod, self.target)])
+        if built.error_msg is not None:
+            return
+        args = ms.arg_info.ArgInfo.from_prim_func(workload["main"])
+        (future,) = runner.run([ms.runner.RunnerInput(built.artifact_path, "llvm", args)])
+        result = future.result()
+        if result.error_msg is None:
+            db.commit_tuning_record(ms.database.TuningRecord(
+                sch.trace, db.commit_workload(workload), run_secs=list(result.run_secs), target=self.target,
+                args_info=args,
+            ))
 
     def _commit_failed(self, db, workload):
         """Record that `workload` has no tuned schedule, so later compiles do not tune it again.
