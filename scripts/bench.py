@@ -272,6 +272,7 @@ def spawn(model, system, args):
     if not args.warm_cache:
         if system in RATEX:
             env["RATEX_CACHE_DIR"] = ""
+            env.pop("RATEX_TUNE", None)  # tuning needs the cache dir (scripts/tune.py measures it)
         elif system == "compile":  # inductor keeps compiled kernels in /tmp: give it an empty one
             tmp = tempfile.TemporaryDirectory(prefix="bench-inductor-")
             env["TORCHINDUCTOR_CACHE_DIR"] = tmp.name
