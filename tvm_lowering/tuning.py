@@ -196,6 +196,8 @@ class Tuner:
     def database(self, create: bool = False):
         """The database, opened on first use; None if it does not exist and `create` is false."""
         if self._db is None and (create or os.path.isdir(self.work_dir)):
+            # Private like the compile cache (makedirs gives only the leaf its mode).
+            os.makedirs(os.path.dirname(self.work_dir), mode=0o700, exist_ok=True)
             os.makedirs(self.work_dir, mode=0o700, exist_ok=True)
             self._db = ms.database.JSONDatabase(work_dir=self.work_dir, allow_missing=True)
         return self._db
