@@ -47,6 +47,27 @@ def _positive_int(name: str, default: int) -> int:
     return value
 
 
+def _tune_trials() -> int:
+    """RATEX_TUNE: MetaSchedule trials per new kernel (0: no tuning); records live in the cache dir."""
+    raw = os.environ.get("RATEX_TUNE")
+    if raw is None or not raw.strip():
+        return 0
+    try:
+        trials = int(raw)
+    except ValueError:
+        trials = -1
+    if trials < 0:
+        raise ValueError(f"RATEX_TUNE={raw!r} is not valid; use a whole number of tuning trials per kernel (0: off)")
+    if trials and DEVICE != "CPU":
+        raise ValueError(f"RATEX_TUNE={raw!r}: tuning is for CPU kernels only, but RATEX_DEVICE={DEVICE}")
+    if trials and CACHE_DIR is None:
+        raise ValueError(
+            f"RATEX_TUNE={raw!r} needs a directory for the tuning records, but RATEX_CACHE_DIR is empty "
+            "(the persistent cache is disabled); set RATEX_CACHE_DIR to a directory"
+        )
+    return trials
+
+
 DEVICE = _choice("RATEX_DEVICE", "CPU", ("CPU", "GPU"))
 # How heavy ops (matmul, conv) run: TVM-generated code, or the kernel library
 # (PyTorch's kernels called from the compiled program). auto = library on CPU.
@@ -82,3 +103,4 @@ PROFILE = _flag("RATEX_PROFILE", False)
 SAVE_IR = os.environ.get("RATEX_SAVE_IR") or None
 CACHE_DIR = _cache_dir()  # None: no persistent compile cache
 CACHE_SIZE_MB = _positive_int("RATEX_CACHE_SIZE_MB", 1024)
+TUNE = _tune_trials()  # 0: apply existing tuning records only

@@ -207,6 +207,8 @@ def run_cell(model_name, system, steps, warmup, caught=()):
         tr, ex = sum(traces[timed]) / step_sum, sum(execs[timed]) / step_sum
         result["share"] = {"trace": tr, "execute": ex, "other": 1.0 - tr - ex}
         result["counters"] = {k: metrics.counter_value(k) for k in metrics.counter_names()}
+        tuning = metrics.metric_data("TuneTime")  # RATEX_TUNE: seconds spent tuning kernels
+        result["tune_s"] = tuning[1] if tuning else 0.0
     return result
 
 
@@ -271,6 +273,7 @@ def spawn(model, system, args):
     if not args.warm_cache:
         if system in RATEX:
             env["RATEX_CACHE_DIR"] = ""
+            env.pop("RATEX_TUNE", None)  # tuning needs the cache dir (scripts/tune.py measures it)
         elif system == "compile":  # inductor keeps compiled kernels in /tmp: give it an empty one
             tmp = tempfile.TemporaryDirectory(prefix="bench-inductor-")
             env["TORCHINDUCTOR_CACHE_DIR"] = tmp.name

@@ -1,4 +1,4 @@
-"""The compile progress line appears only for slow compiles on a terminal."""
+"""Progress lines: compiles (only slow ones) and tuning, on a terminal only."""
 import io
 import time
 
@@ -27,3 +27,13 @@ def test_fast_block_or_no_terminal_prints_nothing(monkeypatch):
     with progress.compiling("x", stream=fast):
         pass
     assert quiet.getvalue() == "" and fast.getvalue() == ""
+
+
+def test_tuning_bar_counts_kernels_on_a_terminal_only():
+    out, quiet = _Terminal(), io.StringIO()
+    for stream in (out, quiet):
+        with progress.tuning(2, stream=stream) as step:
+            step("fused_add")
+            step("matmul")
+    assert "ratex: tuning kernels" in out.getvalue() and "2/2" in out.getvalue()
+    assert "matmul" in out.getvalue() and quiet.getvalue() == ""

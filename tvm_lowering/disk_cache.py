@@ -154,8 +154,12 @@ class DiskCache:
         self._checked = True
 
     # ---- read ----------------------------------------------------------------------
-    def load(self, name: str):
-        """Return the loaded runtime module of entry `name`, or None (miss, or a corrupt entry, removed)."""
+    def load(self, name: str, accept=None):
+        """Return the loaded runtime module of entry `name`, or None (miss, or a corrupt entry, removed).
+
+        `accept(metadata)` returning false makes an entry a miss (it is out of date;
+        the next store replaces it).
+        """
         self.check_dir()
         meta_path = self._meta_path(name)
         try:
@@ -172,6 +176,8 @@ class DiskCache:
                 raise ValueError(f"bad library name {lib_name!r}")
         except (ValueError, KeyError, TypeError) as err:
             self._drop_corrupt(name, None, f"unreadable metadata ({err})")
+            return None
+        if accept is not None and not accept(meta):
             return None
         lib_path = os.path.join(self.root, lib_name)
         try:

@@ -49,8 +49,10 @@ def _host_cpu() -> str:
     return str(tvm.target.codegen.llvm_get_system_cpu()) if hasattr(tvm.target, "codegen") else "generic"
 
 
-def _stages(target: Target, donate=(), donated=None) -> list:
-    """TVM's pipeline for the target, plus ratex's CPU schedules and buffer donation (see inplace.py)."""
+def _stages(target: Target, donate=(), donated=None, kernel_pass=None) -> list:
+    """TVM's pipeline for the target, plus ratex's CPU schedules, tuning (`kernel_pass`, see
+    tuning.py: it schedules kernels right after FuseTIR, before the default schedules) and
+    buffer donation (see inplace.py)."""
     if target.kind == "CPU":
         from tvm.relax.backend.cpu_generic import pipeline as stages
     else:
@@ -58,6 +60,8 @@ def _stages(target: Target, donate=(), donated=None) -> list:
     legalize = stages.legalize_passes(target.tvm)
     if target.kind == "CPU":  # exp that vectorizes; TVM's rules for everything else
         legalize.insert(0, relax.transform.LegalizeOps(fastmath.LEGALIZE))
+    if kernel_pass is not None:
+        legalize.append(kernel_pass)
     if target.kind == "CPU" and os.environ.get("RATEX_CPU_SCHEDULE", "1") != "0":
         legalize.append(cpu_schedule())
     if donate:  # after fusion and scheduling: each op is a call_tir whose PrimFunc is final
@@ -70,23 +74,24 @@ def _stages(target: Target, donate=(), donated=None) -> list:
     )
 
 
-def _passes(target: Target, library: bool, donate=(), donated=None) -> list:
+def _passes(target: Target, library: bool, donate=(), donated=None, kernel_pass=None) -> list:
     # CSE removes the forward that a script's backward recomputes; DCE what nothing reads.
     cleanup = [relax.transform.EliminateCommonSubexpr(), relax.transform.DeadCodeElimination()]
     if library:
         cleanup.append(library_dispatch)
-    return cleanup + _stages(target, donate, donated)
+    return cleanup + _stages(target, donate, donated, kernel_pass)
 
 
-def build(mod: tvm.IRModule, target: Target, library: bool = False, donate=(), donated=None):
+def build(mod: tvm.IRModule, target: Target, library: bool = False, donate=(), donated=None, kernel_pass=None):
     """Compile `mod` with fusion (FuseOps/FuseTIR) for `target`; return a tvm executable.
 
     With `library`, conv2d/conv2d_transpose/matmul left in the module become
     calls to the ratex.lib.* kernel library (see library_dispatch.py).
     `donate`: (input, output) index pairs of `main` where the output may be
     written into the input's buffer; those that were safe are appended to `donated`.
+    `kernel_pass` (CPU only): the tuning pass (tuning.py).
     """
-    pipeline = tvm.transform.Sequential(_passes(target, library, donate, donated))
+    pipeline = tvm.transform.Sequential(_passes(target, library, donate, donated, kernel_pass))
     with target.tvm:
         return tvm.compile(mod, target=target.tvm, relax_pipeline=pipeline)
 

@@ -114,6 +114,19 @@ def _writes_own_point(block) -> bool:
     return True
 
 
+def _rules():
+    return [Injective(), ColumnReduction(), dlight.cpu.Reduction()]
+
+
 def cpu_schedule():
     """The pass that applies ratex's CPU schedule rules to unscheduled kernels."""
-    return dlight.ApplyDefaultSchedule(Injective(), ColumnReduction(), dlight.cpu.Reduction())
+    return dlight.ApplyDefaultSchedule(*_rules())
+
+
+def default_schedule(func: tirx.PrimFunc, target):
+    """The schedule cpu_schedule() gives `func` (its trace replays it), or None if no rule fits."""
+    for rule in _rules():
+        sch = rule.apply(func, target, False)
+        if sch is not None:
+            return sch
+    return None

@@ -1,4 +1,5 @@
 """Compiled programs: lower a cut to Relax, compile it, run it on device data."""
+import contextlib
 import hashlib
 import os
 import time
@@ -8,7 +9,7 @@ import tvm
 from tvm import relax
 
 import tvm_lowering
-from tvm_lowering import disk_cache
+from tvm_lowering import disk_cache, tuning
 from .. import config
 from . import kernels  # noqa: F401  (registers the ratex.lib.* kernel library)
 from . import metrics, progress
@@ -91,8 +92,13 @@ def _compile(graph: Graph, donate: tuple) -> Program:
     name = _entry_name(cache, cache_key(graph, donate)) if cache is not None else None
     dev = be.target.device()
     donated = []
+    tuner = _tuner()
+    report = tuning.Report()
+    kernel_pass = tuner.pass_(report, _tuning) if tuner is not None else None
     with metrics.timed("CompileTime"):
-        executable = tvm_lowering.build(mod, be.target, library=library, donate=donate, donated=donated)
+        executable = tvm_lowering.build(
+            mod, be.target, library=library, donate=donate, donated=donated, kernel_pass=kernel_pass
+        )
         # Making the VM JIT-links the code in memory, which costs about as much as the build.
         # With a persistent cache the library is exported (linked) once and loaded instead.
         program = Program(executable, mod, dev, donate) if name is None else None
@@ -100,8 +106,10 @@ def _compile(graph: Graph, donate: tuple) -> Program:
         metrics.counter_inc("DonatedBuffers", len(donated))
     if config.SAVE_IR:
         _save_ir(graph, mod, donated)
+    if report.applied:
+        metrics.counter_inc("TunedKernelsApplied", report.applied)
     if program is None:
-        lib = _store(cache, name, graph, executable)
+        lib = _store(cache, name, graph, executable, report.kernels)
         program = Program(lib if lib is not None else executable, mod, dev, donate)
     return program
 
@@ -177,6 +185,33 @@ def _disk_cache():
     return cache
 
 
+# ---- tuning (RATEX_TUNE) --------------------------------------------------------------
+_tuners = {}  # (cache dir, target key, trials) -> tuning.Tuner
+
+
+def _tuner():
+    """The tuning database of this target inside the cache dir (None when the disk cache is off)."""
+    root = config.CACHE_DIR
+    if not root or backend().target.kind != "CPU":
+        return None
+    target = backend().target
+    key = (root, target.key, config.TUNE)
+    tuner = _tuners.get(key)
+    if tuner is None:
+        # Records are replayed schedules: they are only good for the TVM and target that made them.
+        tag = hashlib.sha256(f"{tvm.__version__}|{target.key}".encode()).hexdigest()[:16]
+        tuner = _tuners[key] = tuning.Tuner(os.path.join(root, "tuning", tag), target.tvm, config.TUNE)
+    return tuner
+
+
+@contextlib.contextmanager
+def _tuning(count: int):
+    """Around tuning `count` new kernels during a compile: progress bar, metrics."""
+    with metrics.timed("TuneTime"), progress.tuning(count) as step:
+        yield step
+    metrics.counter_inc("TunedKernels", count)
+
+
 def _entry_name(cache, key):
     global _last_name
     if _last_name[0] is key:
@@ -194,8 +229,11 @@ def load_program(graph: Graph, donate=()):
     name = _entry_name(cache, cache_key(graph, tuple(donate)))
     if name is None:
         return None
+    tuner = _tuner()
     with metrics.timed("PersistentCacheLoadTime"):
-        lib = cache.load(name)
+        # An entry compiled before its kernels were tuned (or retuned) must not shadow a tuned program.
+        accept = (lambda meta: tuner.is_current(meta.get("kernels"))) if tuner is not None else None
+        lib = cache.load(name, accept=accept)
         if lib is None:
             return None
         program = Program(lib, None, backend().target.device(), donate)
@@ -203,11 +241,16 @@ def load_program(graph: Graph, donate=()):
     return program
 
 
-def _store(cache, name, graph: Graph, executable):
-    """Save a fresh executable as entry `name`; return the library loaded back, or None on failure."""
+def _store(cache, name, graph: Graph, executable, records):
+    """Save a fresh executable as entry `name`; return the library loaded back, or None on failure.
+
+    `records` (workload hash -> tuning record fingerprint) lets a later load
+    tell whether the tuning database has changed for this program's kernels.
+    """
     with metrics.timed("PersistentCacheStoreTime"):
         try:
-            path = cache.store(name, executable, {"ops": len(graph.nodes), "salt": cache.salt})
+            info = {"ops": len(graph.nodes), "salt": cache.salt, "kernels": records}
+            path = cache.store(name, executable, info)
             return tvm.runtime.load_module(path)
         except Exception as err:  # noqa: BLE001 - a full disk or a missing linker must not fail the step
             if cache.root not in _store_warned:

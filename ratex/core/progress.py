@@ -1,4 +1,4 @@
-"""A progress line for compiles that take a while: quiet for short ones and off a terminal."""
+"""Progress lines for compiles that take a while and for tuning: quiet off a terminal."""
 import contextlib
 import sys
 import threading
@@ -31,3 +31,23 @@ def compiling(label: str, stream=None):
     finally:
         done.set()
         thread.join()
+
+
+@contextlib.contextmanager
+def tuning(count: int, stream=None):
+    """A bar over `count` kernels being tuned; yields fn(name) to call after each kernel.
+
+    Tuning takes seconds per kernel, so the bar shows at once (on a terminal).
+    """
+    stream = stream or sys.stderr
+    if not getattr(stream, "isatty", lambda: False)():
+        yield lambda name: None
+        return
+    # mininterval=0: updates come seconds apart, each worth drawing
+    with tqdm(total=count, desc="ratex: tuning kernels", unit="kernel", file=stream, leave=False, mininterval=0) as bar:
+
+        def step(name):
+            bar.set_postfix_str(name, refresh=False)
+            bar.update()
+
+        yield step
