@@ -241,6 +241,18 @@ def test_exp_and_sigmoid_keep_libm_results_at_the_edges():
           rtol=3e-6, atol=1e-37)
 
 
+def test_slice_and_select_scatter_on_attention_projection_shapes():
+    # TVM's own slice_scatter segfaulted on these shapes (nn.MultiheadAttention's in_proj gradient)
+    base, src, g = rnd(3, 16, 2, 32), rnd(1, 16, 2, 32), rnd(16, 2, 32)
+    check(
+        lambda b, s, g: [aten.slice_scatter.default(b, s, 0, i, i + 1) for i in range(3)]
+        + [aten.select_backward.default(g, [3, 16, 2, 32], 0, i) for i in range(3)]
+        + [aten.slice_scatter.default(b, b[:, :, :, ::3], 3, None, None, 3),
+           aten.slice_scatter.default(b, b[:, 2:12:5], 1, 2, 12, 5)],
+        base, src, g, ops=["slice_scatter.default"],
+    )
+
+
 def test_full_with_special_and_lifted_fill_values():
     # nn.Transformer's causal mask: full(-inf) then triu; 2.5 is lifted to a graph input
     check(

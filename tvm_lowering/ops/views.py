@@ -28,7 +28,7 @@ def select_scatter(imp, node):
     dim = arg(node, 2, "dim") % len(xs)
     index = arg(node, 3, "index") % xs[dim]
     src = emit(imp, relax.op.expand_dims(src, dim))
-    return emit(imp, relax.op.slice_scatter(x, src, index, index + 1, 1, dim))
+    return emit_te(imp, _slice_scatter_te, x, src, index, 1, dim)
 
 
 @rule("slice_scatter.default")
@@ -50,7 +50,28 @@ def slice_scatter(imp, node):
     end = min(max(end, start), n)
     if shape(src)[dim] == 0:
         return x
-    return emit(imp, relax.op.slice_scatter(x, src, start, end, step, dim))
+    return emit_te(imp, _slice_scatter_te, x, src, start, step, dim)
+
+
+def _slice_scatter_te(x, src, start, step, dim):
+    """x with src written at start, start + step, ... along dim (src's extent there says how many).
+
+    TVM's own slice_scatter legalization crashed (a segfault copying a
+    (1, 128, 8, 256) slice into (3, 128, 8, 256), the attention projection's
+    gradient in nn.MultiheadAttention), so ratex computes it as a gather: every
+    output element reads either x or the one src element that lands on it.
+    """
+    count = int(src.shape[dim])
+
+    def body(*idx):
+        offset = idx[dim] - start
+        k = tirx.floordiv(offset, step)
+        hit = tirx.all(offset >= 0, tirx.floormod(offset, step) == 0, k < count)
+        src_idx = list(idx)
+        src_idx[dim] = tirx.max(tirx.min(k, count - 1), 0)  # clamped: the read stays in bounds
+        return tirx.Select(hit, src[tuple(src_idx)], x[idx])
+
+    return te.compute(x.shape, body, name="slice_scatter")
 
 
 def _diag_scatter_te(x, src, offset, d1, d2):
