@@ -14,7 +14,7 @@ import functools
 import torch
 
 import tvm_lowering
-from . import metrics, random, shape, sync, tensor
+from . import metrics, shape, sync, tensor
 from . import ir
 from .ir import Node, fill, op_name, template
 
@@ -417,11 +417,11 @@ def _mutating(func, args, kwargs):
         return eager(func, args, kwargs)
     fkwargs = {k: v for k, v in kwargs.items() if k != key} if kind == "kw" else kwargs
     result = dispatch(fop, args, fkwargs)
-    _assign(target, result)
+    assign(target, result)
     return target
 
 
-def _assign(target, result):
+def assign(target, result):
     """Write the lazy tensor `result` into `target` (same shape), casting to target's dtype."""
     if tuple(result.shape) != tuple(target.shape):
         raise RuntimeError(
@@ -543,19 +543,9 @@ def _native_batch_norm(func, args, kwargs):
         dims = [0] + list(range(2, x.dim()))
         mean = aten.mean.dim(x, dims)
         var = aten.var.correction(x, dims, correction=1)
-        _assign(rm, aten.add.Tensor(aten.mul.Tensor(rm, 1 - momentum), aten.mul.Tensor(mean, momentum)))
-        _assign(rv, aten.add.Tensor(aten.mul.Tensor(rv, 1 - momentum), aten.mul.Tensor(var, momentum)))
+        assign(rm, aten.add.Tensor(aten.mul.Tensor(rm, 1 - momentum), aten.mul.Tensor(mean, momentum)))
+        assign(rv, aten.add.Tensor(aten.mul.Tensor(rv, 1 - momentum), aten.mul.Tensor(var, momentum)))
     return out
-
-
-@handles(aten.native_dropout.default)
-def _native_dropout(func, args, kwargs):
-    x, p, train = args[0], args[1], args[2] if len(args) > 2 else kwargs.get("train")
-    if not train or p == 0 or p >= 1 or not x.dtype.is_floating_point:
-        return _functional(func, args, kwargs)
-    seed = tensor.LazyTensor.from_cpu(random.new_seed(), adopt=True)
-    out, mask = torch.ops.ratex.seeded_dropout.default(x, seed, float(p))
-    return out, mask
 
 
 # ---- backward helpers PyTorch emits that are scatters into zeros ------------------------

@@ -50,3 +50,11 @@ def elu(imp, node):
     ))
     out = bb.emit(relax.op.where(relax.op.greater(x, relax.const(0.0, dt)), x, neg))
     return out if scale == 1 else bb.emit(relax.op.multiply(out, relax.const(scale, dt)))
+
+
+@rule("bitwise_right_shift.Tensor_Scalar", "__rshift__.Scalar")
+def right_shift(imp, node):
+    """Arithmetic shift of an integer tensor by a constant (TVM has no rule for it)."""
+    x = imp.env[node.args[0]]
+    amount = relax.const(int(node.args[1]), str(x.ty.dtype))
+    return imp.block_builder.emit(relax.op.right_shift(x, amount))
