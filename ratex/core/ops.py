@@ -260,11 +260,22 @@ DECOMPS = {
 }
 
 
+# foreach ops whose scalar (4th) argument is positional where the per-tensor op takes `value=`
+_FOREACH_VALUE_KW = {"addcmul", "addcdiv", "addcmul_", "addcdiv_"}
+
+
 def _foreach(func, args, kwargs):
     """`_foreach_op(lists...)` is `op` applied per element."""
     name = func._schema.name.split("::")[1][len("_foreach_"):]
     per_op = getattr(aten, name)
     n = len(args[0])
+    if name in _FOREACH_VALUE_KW and len(args) > 3:
+        args, kwargs = args[:3], {**kwargs, "value": args[3]}
+    scalars = kwargs.get("value")
+    if isinstance(scalars, torch.Tensor):  # the .Tensor overloads: one scalar per element
+        if isinstance(scalars, tensor.LazyTensor):
+            return eager(func, args, kwargs)  # per-element Python scalars would need a sync
+        kwargs = {**kwargs, "value": scalars.tolist()}
 
     def pick(a, i):
         return a[i] if isinstance(a, (list, tuple)) and len(a) == n else a
