@@ -233,8 +233,9 @@ def mse_loss(imp, node):
 
 
 # ---- reductions -------------------------------------------------------------------------
-@rule("amax.default")
+@rule("amax.default", "amin.default")
 def amax(imp, node):
+    """Bool tensors reduce as int32 (TVM has no max/min identity for bool): amax is any, amin is all."""
     x = env(imp, node.args[0])
     dims = arg(node, 1, "dim", [])
     keepdim = arg(node, 2, "keepdim", False)
@@ -242,7 +243,10 @@ def amax(imp, node):
     axes = norm_dims(dims, nd) if dims not in ([], ()) else None
     if nd == 0:
         return x
-    return emit(imp, relax.op.max(x, axis=axes, keepdims=keepdim))
+    reduce = relax.op.max if node.target.__name__ == "amax.default" else relax.op.min
+    if dtype(x) == "bool":
+        return cast(imp, emit(imp, reduce(cast(imp, x, "int32"), axis=axes, keepdims=keepdim)), "bool")
+    return emit(imp, reduce(x, axis=axes, keepdims=keepdim))
 
 
 # ---- normalization -----------------------------------------------------------------------
