@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 import ratex.lazy_tensor_core.core.lazy_model as lm
-from ratex.core import random, sync
+import tvm_lowering
+from ratex.core import graph, random, sync
 from ratex.lazy_tensor_core.debug import metrics
 
 LAZY = torch.device("lazy", 0)
@@ -226,3 +227,14 @@ def test_dropout_keep_rate_scaling_and_grad(dev):
 def test_eval_mode_dropout_is_identity(dev):
     x = torch.randn(4, 4)
     torch.testing.assert_close(F.dropout(x.to(dev), 0.5, training=False).cpu(), x)
+
+
+def test_random_ops_build_for_cuda(dev):
+    """The hash (int64 TIR) and multinomial's inverse-CDF reduction pass TVM's CUDA schedules."""
+    probs = torch.tensor([[0.0, 1.0, 2.0], [1.0, 0.0, 1.0]]).to(dev)
+    outs = [torch.rand(64, device=dev), torch.multinomial(probs, 4, replacement=True)]
+    step = graph.cut([o._value() for o in outs])
+    mod = tvm_lowering.import_graph(graph.to_fx(step), library=False)
+    executable = tvm_lowering.build(mod, tvm_lowering.resolve_target("GPU", "sm_90"))
+    assert "main" in executable.as_text()
+    lm.mark_step()  # leave nothing pending for other tests

@@ -146,15 +146,16 @@ def multinomial(seed, probs, num_samples, replacement):
         # replacement in proportion to p; a zero-probability category never finishes.
         race = aten.div.Tensor(_cast(_standard_exponential(seed, [*batch, k]), probs.dtype), probs)
         return aten.topk.default(aten.neg.default(race), num_samples, -1, True, True)[1]
-    # Inverse CDF: the number of cumulative sums <= u * total is the drawn category (one
-    # with p > 0). u * total can round up to total: then take the first category whose
-    # cumulative sum reaches total, again one with p > 0.
-    cdf = aten.cumsum.default(probs, -1)
+    # Inverse CDF: the first category whose cumulative sum exceeds u * total, which has
+    # p > 0. In float64, u (24 bits, < 1) times total is below total, so one exists.
+    # The comparison is arithmetic (relu(sign(.)) is 1 or 0), not a bool tensor, and
+    # argmax finds the first, not a count of the sums below: TVM's CPU reduction
+    # schedule mis-vectorizes bool buffers and its CUDA GEMV rule crashes on that count.
+    cdf = aten.cumsum.default(_cast(probs, torch.float64), -1)
     total = aten.slice.Tensor(cdf, -1, k - 1, k)
-    target = aten.mul.Tensor(_cast(_unit(_bits(seed, [*batch, num_samples]), 24), probs.dtype), total)
-    drawn = aten.sum.dim_IntList(aten.le.Tensor(aten.unsqueeze.default(cdf, -2), aten.unsqueeze.default(target, -1)), [-1])
-    last = aten.sum.dim_IntList(aten.lt.Tensor(cdf, total), [-1], True)
-    return aten.minimum.default(drawn, last)
+    target = aten.mul.Tensor(_cast(_unit(_bits(seed, [*batch, num_samples]), 24), torch.float64), total)
+    gap = aten.sub.Tensor(aten.unsqueeze.default(cdf, -2), aten.unsqueeze.default(target, -1))
+    return aten.argmax.default(aten.relu.default(aten.sign.default(gap)), -1)
 
 
 def _scalar(value, dtype, like):
