@@ -9,8 +9,8 @@ from tvm import relax, te, tirx
 from . import rule
 
 # TVM's rules for these return wrong values (an identity for training-mode
-# dropout); None removes them so the op runs eagerly until a correct rule
-# replaces it (see random.py).
+# dropout); None removes them. Training-mode dropout never reaches the table:
+# ratex/core/random.py records it as arithmetic on ratex::random_bits.
 rule("native_dropout.default", "dropout.default")(None)
 
 
