@@ -43,6 +43,7 @@ CASES = {
     "randint": (lambda d: torch.randint(-5, 17, (N,), device=d), lambda v: (v >= -5) & (v < 17) & (v == v.round())),
     "randint_like": (lambda d: torch.randint_like(_filled(d, 0.0), 3, 9), lambda v: (v >= 3) & (v < 9)),
     "random_float": (lambda d: _filled(d, 0.0).random_(10), lambda v: (v >= 0) & (v < 10) & (v == v.round())),
+    "random_float_default": (lambda d: _filled(d, 0.0).random_(), lambda v: (v >= 0) & (v <= 2**24) & (v == v.round())),
     "random_int32": (lambda d: _filled(d, 0, torch.int32).random_(), lambda v: (v >= 0) & (v < 2**31)),
     "multinomial": (lambda d: torch.multinomial(torch.tensor(PROBS).to(d), N, replacement=True),
                     lambda v: (v >= 0) & (v < 4) & (v != 1)),

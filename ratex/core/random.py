@@ -61,9 +61,13 @@ def _unit(words_, digits, open_=False):
     return aten.mul.Tensor(k, 2.0**-digits)
 
 
+def _significand_bits(dtype):
+    return 1 - int(math.log2(torch.finfo(dtype).eps))  # eps = 2**(1 - bits): 24 for float32
+
+
 def _digits(dtype):
-    """Random bits a uniform in `dtype` gets: its significand's (eps = 2**(1 - digits)), at most 24."""
-    return min(24, 1 - int(math.log2(torch.finfo(dtype).eps)))
+    """Random bits a uniform in `dtype` gets: as many as its significand holds, at most 24."""
+    return min(24, _significand_bits(dtype))
 
 
 def _compute_dtype(dtype):
@@ -230,7 +234,7 @@ def _random_range(a):
         if dtype == torch.bool:
             high = 2
         elif dtype.is_floating_point:
-            high = 2 ** (torch.finfo(dtype).nmant + 1) + 1
+            high = 2 ** _significand_bits(dtype) + 1
         else:
             high = torch.iinfo(dtype).max + 1
     return low, high
@@ -309,7 +313,8 @@ def _register(builder, *funcs):
 
 def _floats_only(builder):
     def build(a):
-        return builder(a) if a["self"].dtype.is_floating_point else NotImplemented  # PyTorch's error
+        dtype = a.get("dtype") or a["self"].dtype  # the _like forms may ask for another dtype
+        return builder(a) if dtype.is_floating_point else NotImplemented  # PyTorch's error
 
     return build
 
@@ -321,10 +326,8 @@ _register(_floats_only(_exponential), aten.exponential_.default, aten.exponentia
 _register(_bernoulli, aten.bernoulli.default, aten.bernoulli.p, aten.bernoulli.Tensor,
           aten.bernoulli_.float, aten.bernoulli_.Tensor)
 _register(_random, *[getattr(packet, ov) for packet in (aten.random_, aten.random) for ov in ("from", "to", "default")])
-_register(lambda a: _like(a, uniform) if (a.get("dtype") or a["self"].dtype).is_floating_point else NotImplemented,
-          aten.rand_like.default)
-_register(lambda a: _like(a, normal) if (a.get("dtype") or a["self"].dtype).is_floating_point else NotImplemented,
-          aten.randn_like.default)
+_register(_floats_only(lambda a: _like(a, uniform)), aten.rand_like.default)
+_register(_floats_only(lambda a: _like(a, normal)), aten.randn_like.default)
 _register(_randint_like, aten.randint_like.default, aten.randint_like.low_dtype)
 _register(_randperm_out, aten.randperm.generator_out, aten.randperm.out)
 _register(_multinomial, aten.multinomial.default)
