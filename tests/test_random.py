@@ -138,10 +138,7 @@ def test_explicit_generator_is_honoured(dev):
     assert torch.equal(a, draw())
 
 
-def _seed():
-    return 0x123456789ABC
-
-
+SEED = 0x123456789ABC
 EXACT = {  # integer arithmetic, comparisons and orderings of random keys: identical results
     "bits": lambda s: torch.ops.ratex.random_bits(s, [7, 33]),
     "unit_uniform": lambda s: random.uniform(s, [7, 33], torch.float32),
@@ -168,10 +165,10 @@ def compiled_and_reference():
     """Every function above on a lazy seed (one program) and on the same seed on CPU."""
     funcs = {**EXACT, **CLOSE}
     metrics.reset()
-    lazy = {name: fn(torch.tensor(_seed()).to(LAZY)) for name, fn in funcs.items()}
+    lazy = {name: fn(torch.tensor(SEED).to(LAZY)) for name, fn in funcs.items()}
     lm.mark_step()
     fallbacks = [c for c in metrics.counter_names() if c.startswith("aten::")]
-    return {n: t.cpu() for n, t in lazy.items()}, {n: fn(torch.tensor(_seed())) for n, fn in funcs.items()}, fallbacks
+    return {n: t.cpu() for n, t in lazy.items()}, {n: fn(torch.tensor(SEED)) for n, fn in funcs.items()}, fallbacks
 
 
 @pytest.mark.parametrize("name", list(EXACT) + list(CLOSE))
