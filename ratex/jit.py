@@ -12,9 +12,10 @@ node `ratex::script_fwd(key, tensors)`; autograd's backward records ONE node
 program with the loss and optimizer update.
 
 Training-mode state is explicit: each call draws one seed per training dropout
-from torch's generator, exactly as the plain lazy path's dropout does (so
-`torch.manual_seed` repeats runs, and a scripted model draws the masks the
-unscripted one would), and passes them as inputs; buffers the forward writes
+from torch's generator, exactly as the plain lazy path's dropout does, records
+the lazy path's own mask ops on it (`random.dropout_keep`; so `torch.manual_seed`
+repeats runs, and a scripted model draws the masks the unscripted one would),
+and passes the masks as inputs; buffers the forward writes
 (BatchNorm's running stats, `num_batches_tracked`) come back as extra outputs
 that are copied into the module's buffers.
 
@@ -91,7 +92,7 @@ def _script_bwd_cpu(key, args):
 
 
 class _Runner:
-    """Runs the traced forward on CPU with given inputs, attributes, constants and seeds.
+    """Runs the traced forward on CPU with given inputs, attributes, constants and dropout masks.
 
     Returns the model's outputs and then the new values of the buffers it writes,
     like the script's Relax forward.
@@ -106,19 +107,19 @@ class _Runner:
         attrs = dict(zip(s.attr_paths, args[s.n_inputs : s.n_inputs + len(s.attr_paths)]))
         for path in s.writes:  # the forward writes these in place; the caller's stay as they are
             attrs[path] = attrs[path].clone()
-        seeds = args[len(args) - s.n_seeds :] if s.n_seeds else []
+        masks = args[len(args) - len(s.dropouts) :] if s.dropouts else []
         self.model.train(self.training)
-        with _SeededDropout(seeds):
+        with _MaskedDropout(masks):
             out = torch.func.functional_call(self.model, attrs, tuple(inputs), tie_weights=False, strict=False)
         return pytree.tree_leaves(out) + [attrs[path] for path in s.writes]
 
 
-class _SeededDropout(torch.overrides.TorchFunctionMode):
-    """Training dropouts take their masks from `seeds`, in call order, as the script's do."""
+class _MaskedDropout(torch.overrides.TorchFunctionMode):
+    """Training dropouts take their keep masks from `masks`, in call order, as the script's do."""
 
-    def __init__(self, seeds):
+    def __init__(self, masks):
         super().__init__()
-        self.seeds = iter(seeds)
+        self.masks = iter(masks)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -127,7 +128,7 @@ class _SeededDropout(torch.overrides.TorchFunctionMode):
             a = dict(zip(names, args), **kwargs)
             x, p, training = a["input"], a.get("p", 0.5), a.get(names[2], True)
             if training and 0 < p < 1:
-                return random.seeded_dropout(x, next(self.seeds), p)[0]
+                return random.apply_dropout(x, next(self.masks), p)
         return func(*args, **kwargs)
 
 
@@ -216,8 +217,9 @@ class ScriptModule(nn.Module):
         if entry.key is None:
             return self._orig(*args)
         script = entry.script
-        seeds = [LazyTensor.from_cpu(random.new_seed(), adopt=True) for _ in range(script.n_seeds)]
-        tensors = list(args) + [attrs[p] for p in script.attr_paths] + entry.consts + seeds
+        masks = [random.dropout_keep(LazyTensor.from_cpu(random.new_seed(), adopt=True), shape, p)
+                 for shape, p in script.dropouts]
+        tensors = list(args) + [attrs[p] for p in script.attr_paths] + entry.consts + masks
         if torch.is_grad_enabled() and any(tensors[i].requires_grad for i in script.diff):
             # Autograd keeps the inputs for the backward; the buffers written below must not
             # be among them (their version changes), so the call gets a snapshot of each.

@@ -356,8 +356,9 @@ def test_cpu_kernels_of_a_script_replay_its_masks_and_buffer_writes(dev):
     (entry,) = model._entries.values()
     script = entry.script
     torch.manual_seed(11)
-    seeds = [random.new_seed() for _ in range(script.n_seeds)]  # those the call drew
-    args = [x] + [state[p] for p in script.attr_paths] + list(script.consts) + seeds
+    # the masks the call drew: the same seeds, the same mask ops on CPU
+    masks = [random.dropout_keep(random.new_seed(), shape, p) for shape, p in script.dropouts]
+    args = [x] + [state[p] for p in script.attr_paths] + list(script.consts) + masks
     cpu_outs = torch.ops.ratex.script_fwd(entry.key, args)
     assert len(cpu_outs) == 1 + len(script.writes) == 1 + 6  # two BNs: mean, var, num_batches_tracked
     _close(cpu_outs[0], out.detach().cpu())

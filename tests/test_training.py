@@ -64,7 +64,7 @@ def _compiles():
 
 def test_same_step_compiles_once_and_new_shape_compiles_again(dev):
     sync.reset_cache()
-    w = torch.randn(4, 4, device=dev)
+    w = torch.randn(4, 4).to(dev)  # data, not a pending random op of the first step
 
     def step(n):
         x = torch.randn(n, 4).to(dev)

@@ -222,7 +222,7 @@ def _take_grad(orig_var, orig_call, output_grad, bb):
 
 @_register("relax.nn.dropout")
 def _dropout_grad(orig_var, orig_call, output_grad, bb):
-    # TVM's dropout op draws no seed; scripted dropout is ratex's seeded where(mask, ...).
+    # TVM's dropout op draws no seed; a scripted dropout multiplies by a keep-mask input instead.
     raise NotImplementedError("gradient of relax.nn.dropout (its random mask cannot be replayed)")
 
 

@@ -78,6 +78,8 @@ class ColumnReduction(CPUScheduleRule):
         reduce = [k for k in kinds if k == tirx.IterVar.CommReduce]
         if not last.is_reduction() or not spatial or not reduce or kinds != sorted(kinds):
             return None  # dlight's iterator order is spatial first, then reduced
+        if any(str(w.source.dtype) == "bfloat16" for w in stmt.writes):
+            return None  # TVM's bfloat16 legalization fails on the vectorized accumulator store
         read = [r for r in stmt.reads if not any(r.source.same_as(w.source) for w in stmt.writes)]
         if len(read) != 1 or not read[0].region or not read[0].region[-1].min.same_as(spatial[-1]):
             return None  # the input's contiguous axis is reduced: a row reduction, not ours

@@ -6,18 +6,20 @@ node becomes a call of the OpOverload its schema names (`aten::conv2d` ->
 meta tensors, and `import_graph` lowers the fx graph with the same rules.
 
 `convert` returns a `Script`: the Relax forward
-`fwd(inputs..., attrs..., consts..., seeds...) -> (outputs..., new buffers...)`,
+`fwd(inputs..., attrs..., consts..., masks...) -> (outputs..., new buffers...)`,
 the output metas and structure, and, built on first use, the backward
-`bwd(inputs..., attrs..., consts..., seeds..., grad_outputs...) -> (loss, (grads...))`
+`bwd(inputs..., attrs..., consts..., masks..., grad_outputs...) -> (loss, (grads...))`
 that `relax.transform.Gradient` derives from `fwd`.
 
 State that a training-mode forward changes becomes explicit: each training
-dropout draws its mask from an int64 `seed` input (`ratex::seeded_dropout`, the
-lazy path's own op, so the same seed gives the same mask on both paths and the
-backward, which recomputes the forward from the same seed, applies it too), and
-buffers written in place (BatchNorm's running stats and `num_batches_tracked`)
-are returned as extra outputs after the model's own, for the caller to write
-back. Scripts are registered by
+dropout takes its bool keep mask as an input (`Script.dropouts` says its shape
+and p). The caller draws it from a fresh seed with the lazy path's own
+dropout ops (`ratex.core.random.dropout_keep`), so a scripted model draws the
+masks the unscripted one does, the backward applies the same mask, and the
+random bits stay outside the differentiated function (their rule is a
+call_tir, which Gradient refuses). Buffers written in place (BatchNorm's
+running stats and `num_batches_tracked`) are returned as extra outputs after
+the model's own, for the caller to write back. Scripts are registered by
 key (`register`/`lookup`) so the `script_fwd`/`script_bwd` lowering rules can
 find them. Only metas cross into this module, never tensor data, except
 tensor constants baked into a trace, which become extra `consts` inputs.
@@ -44,12 +46,12 @@ class ConversionError(RuntimeError):
 class Script:
     """A converted forward, its metas, and its (lazily built) backward."""
 
-    def __init__(self, fwd, n_inputs, attr_paths, consts, n_seeds, out_metas, out_spec, writes, diff):
+    def __init__(self, fwd, n_inputs, attr_paths, consts, dropouts, out_metas, out_spec, writes, diff):
         self.fwd = fwd  # relax.Function
         self.n_inputs = n_inputs
         self.attr_paths = attr_paths  # module attribute path of each attr input, in order
         self.consts = consts  # CPU tensors baked into the trace, passed after the attrs
-        self.n_seeds = n_seeds  # int64 0-dim seeds of the training dropouts, the last inputs
+        self.dropouts = dropouts  # [(shape, p)] of the training dropouts, whose keep masks are the last inputs
         self.out_metas = out_metas  # [(shape, dtype)] of the flat outputs, new buffers included
         self.out_spec = out_spec  # pytree spec rebuilding the model's output structure
         self.writes = writes  # attr paths of the buffers the forward writes: the last outputs
@@ -60,7 +62,7 @@ class Script:
 
     @property
     def bwd(self):
-        """relax.Function: (inputs..., attrs..., consts..., seeds..., grad_outs...) -> (loss, (grads...)).
+        """relax.Function: (inputs..., attrs..., consts..., masks..., grad_outs...) -> (loss, (grads...)).
 
         grad_outs are those of the model's own outputs; new buffer values get none.
         """
@@ -112,7 +114,7 @@ _DROPOUTS = {
     aten.dropout.default, aten.dropout_.default, aten.feature_dropout.default, aten.alpha_dropout.default,
     aten.feature_alpha_dropout.default,
 }
-_SEEDED_DROPOUTS = {aten.dropout.default, aten.dropout_.default}  # native_dropout's elementwise masks
+_MASKED_DROPOUTS = {aten.dropout.default, aten.dropout_.default}  # native_dropout's elementwise masks
 
 
 # c10::ScalarType's numbering: TorchScript passes a dtype argument as this int.
@@ -150,7 +152,7 @@ class _Converter:
         self.attr_metas = attr_metas
         self.attr_paths, self.attr_nodes = [], {}
         self.consts, self.const_nodes = [], {}
-        self.seeds = []
+        self.masks, self.dropouts = [], []  # keep-mask placeholders; (shape, p) of each
         self.writes = {}  # attr path -> fx node of the value the forward wrote there
         ts_inputs = list(graph.inputs())
         if len(ts_inputs) != len(input_metas) + 1:
@@ -194,10 +196,15 @@ class _Converter:
             self.const_nodes[id(t)] = node
         return node
 
-    def _seed(self):
-        node = self._placeholder(f"seed{len(self.seeds)}", torch.empty((), dtype=torch.int64, device="meta"))
-        self.seeds.append(node)
-        return node
+    def _dropout(self, x, p):
+        """x * keep * (1 / (1 - p)) with `keep` a new bool input: ratex.core.random.apply_dropout's ops."""
+        if isinstance(x, torch.Tensor):  # a constant baked into the trace
+            x = self._const_input(x)
+        shape = tuple(x.meta["val"].shape)
+        keep = self._placeholder(f"mask{len(self.masks)}", torch.empty(shape, dtype=torch.bool, device="meta"))
+        self.masks.append(keep)
+        self.dropouts.append((shape, p))
+        return self._call(aten.mul.Tensor, [self._call(aten.mul.Tensor, [x, keep]), 1.0 / (1.0 - p)])
 
     def _path_of(self, x):
         """The attr path whose current value is fx node `x` (None: not a parameter or buffer)."""
@@ -207,10 +214,10 @@ class _Converter:
         return None
 
     def _order_placeholders(self):
-        """Parameters in the order Script promises: inputs, attrs, consts, seeds."""
+        """Parameters in the order Script promises: inputs, attrs, consts, masks."""
         phs = [n for n in self.g.nodes if n.op == "placeholder"]
         order = phs[: self.n_inputs] + [self.attr_nodes[p] for p in self.attr_paths]
-        order += [self.const_nodes[id(t)] for t in self.consts] + self.seeds
+        order += [self.const_nodes[id(t)] for t in self.consts] + self.masks
         anchor = next(n for n in self.g.nodes if n.op != "placeholder")
         for n in order:
             anchor.prepend(n)
@@ -274,9 +281,9 @@ class _Converter:
             if ins[1] == 0 or not ins[2]:  # p == 0 or eval mode: identity
                 self._set(outs[0], ins[0])
                 return
-            if op not in _SEEDED_DROPOUTS or not 0 < ins[1] < 1:
+            if op not in _MASKED_DROPOUTS or not 0 < ins[1] < 1:
                 raise ConversionError(f"{op} with p={ins[1]} in training mode")
-            out = self._call(torch.ops.ratex.seeded_dropout.default, [ins[0], self._seed(), float(ins[1])])[0]
+            out = self._dropout(ins[0], float(ins[1]))
             self._set(outs[0], out)
             if op is aten.dropout_.default:  # later reads of the input see the dropped-out value
                 self._set(list(node.inputs())[0], out)
@@ -419,7 +426,7 @@ def convert(graph, input_metas, attr_metas, diff_inputs=(), diff_attrs=None) -> 
     for j, path in enumerate(conv.attr_paths):
         if (diff_attrs is None or path in diff_attrs) and attr_metas[path][1].is_floating_point:
             diff.append(n_in + j)
-    return Script(fwd, n_in, list(conv.attr_paths), list(conv.consts), len(conv.seeds), out_metas, out_spec,
+    return Script(fwd, n_in, list(conv.attr_paths), list(conv.consts), list(conv.dropouts), out_metas, out_spec,
                   list(conv.writes), diff)
 
 

@@ -15,7 +15,7 @@ import torch
 
 import tvm_lowering
 from .. import config
-from . import metrics, random, shape, sync, tensor
+from . import metrics, shape, sync, tensor
 from . import ir
 from .ir import Node, fill, op_name, template
 
@@ -266,10 +266,7 @@ def _foreach(func, args, kwargs):
     name = func._schema.name.split("::")[1][len("_foreach_"):]
     per_op = getattr(aten, name)
     n = len(args[0])
-
-    def pick(a, i):
-        return a[i] if isinstance(a, (list, tuple)) and len(a) == n else a
-
+    call = (args, kwargs)
     # A foreach op may take positionally what the per-tensor op takes only by keyword
     # (_foreach_addcmul_(self, t1, t2, value) vs addcmul_(self, t1, t2, *, value)).
     schema = getattr(per_op, per_op.overloads()[0])._schema
@@ -277,6 +274,15 @@ def _foreach(func, args, kwargs):
     keyword = [a.name for a in schema.arguments if a.kwarg_only]
     kwargs = dict(kwargs, **dict(zip(keyword, args[positional:])))
     args = args[:positional]
+    scalars = kwargs.get("value")
+    if isinstance(scalars, torch.Tensor):  # the .Tensor overloads: one scalar per element
+        if isinstance(scalars, tensor.LazyTensor):
+            return eager(func, *call)  # per-element Python scalars would need a sync
+        kwargs = {**kwargs, "value": scalars.tolist()}
+
+    def pick(a, i):
+        return a[i] if isinstance(a, (list, tuple)) and len(a) == n else a
+
     results = [per_op(*[pick(a, i) for a in args], **{k: pick(v, i) for k, v in kwargs.items()}) for i in range(n)]
     return None if name.endswith("_") else list(results)
 
@@ -425,11 +431,11 @@ def _mutating(func, args, kwargs):
         return eager(func, args, kwargs)
     fkwargs = {k: v for k, v in kwargs.items() if k != key} if kind == "kw" else kwargs
     result = dispatch(fop, args, fkwargs)
-    _assign(target, result)
+    assign(target, result)
     return target
 
 
-def _assign(target, result):
+def assign(target, result):
     """Write the lazy tensor `result` into `target` (same shape), casting to target's dtype."""
     if tuple(result.shape) != tuple(target.shape):
         raise RuntimeError(
@@ -555,19 +561,9 @@ def _native_batch_norm(func, args, kwargs):
         dims = [0] + list(range(2, x.dim()))
         mean = aten.mean.dim(x, dims)
         var = aten.var.correction(x, dims, correction=1)
-        _assign(rm, aten.add.Tensor(aten.mul.Tensor(rm, 1 - momentum), aten.mul.Tensor(mean, momentum)))
-        _assign(rv, aten.add.Tensor(aten.mul.Tensor(rv, 1 - momentum), aten.mul.Tensor(var, momentum)))
+        assign(rm, aten.add.Tensor(aten.mul.Tensor(rm, 1 - momentum), aten.mul.Tensor(mean, momentum)))
+        assign(rv, aten.add.Tensor(aten.mul.Tensor(rv, 1 - momentum), aten.mul.Tensor(var, momentum)))
     return out
-
-
-@handles(aten.native_dropout.default)
-def _native_dropout(func, args, kwargs):
-    x, p, train = args[0], args[1], args[2] if len(args) > 2 else kwargs.get("train")
-    if not train or p == 0 or p >= 1 or not x.dtype.is_floating_point:
-        return _functional(func, args, kwargs)
-    seed = tensor.LazyTensor.from_cpu(random.new_seed(), adopt=True)
-    out, mask = torch.ops.ratex.seeded_dropout.default(x, seed, float(p))
-    return out, mask
 
 
 # ---- backward helpers PyTorch emits that are scatters into zeros ------------------------

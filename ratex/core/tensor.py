@@ -14,7 +14,7 @@ from torch.utils._pytree import tree_map
 
 from .. import config
 
-from . import composite, launch, metrics, ops, sync  # noqa: F401
+from . import composite, launch, metrics, ops, random, sync  # noqa: F401
 from .device import LAZY, backend
 from .ir import Meta, Node
 

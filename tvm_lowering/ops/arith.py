@@ -4,7 +4,7 @@ Each rule here replaces a TVM rule that computed something else (found by the
 OpInfo conformance run), delegating to TVM where its rule is right.
 """
 import torch
-from tvm import relax
+from tvm import relax, te, tirx
 
 from . import rule
 from .nn import arg as _arg
@@ -67,3 +67,83 @@ def full(imp, node):
     if str(value.ty.dtype) != dtype:
         value = imp.block_builder.emit(relax.op.astype(value, dtype))
     return imp.block_builder.emit(relax.op.broadcast_to(value, shape))
+
+
+@rule("bitwise_right_shift.Tensor_Scalar", "__rshift__.Scalar")
+def right_shift(imp, node):
+    """Arithmetic shift of an integer tensor by a constant (TVM has no rule for it)."""
+    x = imp.env[node.args[0]]
+    amount = relax.const(int(node.args[1]), str(x.ty.dtype))
+    return imp.block_builder.emit(relax.op.right_shift(x, amount))
+
+
+# ---- elementwise binary ops under PyTorch's type promotion ------------------------------
+# TVM's rules promote by their own rules (a 0-dim float64 tensor makes float16 math
+# float64; int / int stays int) and LLVM codegen rejects comparisons of bool/int8/uint8
+# and arithmetic on bool. These compute in the dtype PyTorch computes in: the output's
+# for arithmetic, torch.result_type of the inputs for comparisons; narrow integer and
+# bool math runs in int32 (exact for these ops) and is cast back.
+_ARITH = {
+    "add.Tensor": relax.op.add, "sub.Tensor": relax.op.subtract, "mul.Tensor": relax.op.multiply,
+    "div.Tensor": relax.op.divide, "maximum.default": relax.op.maximum, "minimum.default": relax.op.minimum,
+}
+_COMPARE = {
+    f"{name}.{kind}": op
+    for name, op in (("lt", relax.op.less), ("le", relax.op.less_equal), ("gt", relax.op.greater),
+                     ("ge", relax.op.greater_equal), ("eq", relax.op.equal), ("ne", relax.op.not_equal))
+    for kind in ("Tensor", "Scalar")
+}
+_NARROW = {"bool", "int8", "uint8", "int16"}
+
+
+def _binary(imp, node):
+    from ..dtypes import to_tvm
+
+    name = node.target.__name__
+    if len(node.args) > 2 or node.kwargs:  # alpha=, rounding_mode=: TVM's rule handles them
+        return imp.tvm_rules[name](node)
+    vals = [a.meta["val"] if hasattr(a, "meta") else a for a in node.args]
+    out_dtype = to_tvm(node.meta["val"].dtype)
+    compute = to_tvm(torch.result_type(*vals)) if name in _COMPARE else out_dtype
+    if compute in _NARROW:
+        compute = "int32"
+    bb = imp.block_builder
+    operands = []
+    for a in node.args:
+        if hasattr(a, "meta"):
+            x = imp.env[a]
+            operands.append(x if str(x.ty.dtype) == compute else bb.emit(relax.op.astype(x, compute)))
+        else:
+            operands.append(relax.const(a, compute))
+    out = bb.emit({**_ARITH, **_COMPARE}[name](*operands))
+    return out if compute == out_dtype else bb.emit(relax.op.astype(out, out_dtype))
+
+
+rule(*_ARITH, *_COMPARE)(_binary)
+
+
+# ---- casts to bfloat16 ------------------------------------------------------------------
+# TVM computes bfloat16 in float32 and, inside a fused kernel, folds
+# float32 -> bfloat16 -> float32 casts away, so `x.bfloat16().float()` would not round.
+# The cast rounds explicitly (to nearest even, as PyTorch does) while still float32;
+# the bfloat16 cast that follows is then exact, folded or not.
+def _round_to_bf16_te(x):
+    def at(*i):
+        v = x(*i)
+        bits = tirx.reinterpret("uint32", v)
+        odd = (bits >> tirx.const(16, "uint32")) & tirx.const(1, "uint32")
+        up = (bits + tirx.const(0x7FFF, "uint32") + odd) & tirx.const(0xFFFF0000, "uint32")
+        return tirx.Select(tirx.isnan(v), v, tirx.reinterpret("float32", up))
+
+    return te.compute(x.shape, at, name="round_to_bfloat16")
+
+
+@rule("_to_copy.default")
+def to_copy(imp, node):
+    out = imp.tvm_rules["_to_copy.default"](node)
+    x = imp.env[node.args[0]]
+    if str(out.ty.dtype) != "bfloat16" or str(x.ty.dtype) == "bfloat16":
+        return out
+    bb = imp.block_builder
+    x32 = x if str(x.ty.dtype) == "float32" else bb.emit(relax.op.astype(x, "float32"))
+    return bb.emit(relax.op.astype(bb.emit_te(_round_to_bf16_te, x32), "bfloat16"))

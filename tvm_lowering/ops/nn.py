@@ -11,8 +11,8 @@ from tvm import relax, te, tirx
 from . import rule
 
 # TVM's rules for these return wrong values (an identity for training-mode
-# dropout); None removes them so the op runs eagerly until a correct rule
-# replaces it (see random.py).
+# dropout); None removes them. Training-mode dropout never reaches the table:
+# ratex/core/random.py records it as arithmetic on ratex::random_bits.
 rule("native_dropout.default", "dropout.default")(None)
 
 
@@ -235,8 +235,9 @@ def mse_loss(imp, node):
 
 
 # ---- reductions -------------------------------------------------------------------------
-@rule("amax.default")
+@rule("amax.default", "amin.default")
 def amax(imp, node):
+    """Bool tensors reduce as int32 (TVM has no max/min identity for bool): amax is any, amin is all."""
     x = env(imp, node.args[0])
     dims = arg(node, 1, "dim", [])
     keepdim = arg(node, 2, "keepdim", False)
@@ -244,7 +245,10 @@ def amax(imp, node):
     axes = norm_dims(dims, nd) if dims not in ([], ()) else None
     if nd == 0:
         return x
-    return emit(imp, relax.op.max(x, axis=axes, keepdims=keepdim))
+    reduce = relax.op.max if node.target.__name__ == "amax.default" else relax.op.min
+    if dtype(x) == "bool":
+        return cast(imp, emit(imp, reduce(cast(imp, x, "int32"), axis=axes, keepdims=keepdim)), "bool")
+    return emit(imp, reduce(x, axis=axes, keepdims=keepdim))
 
 
 # ---- normalization -----------------------------------------------------------------------
