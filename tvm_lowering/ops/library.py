@@ -120,9 +120,7 @@ _library_rule("bmm.default", _bmm)
 _library_rule("convolution.default", _convolution)
 _library_rule("convolution_backward.default", _convolution_backward)
 for _name in (
-    # (not _log_softmax: with it, the GPT benchmark's first step crashed after its program had
-    # finished, in a way not yet understood; its TVM code stays)
-    "_softmax.default", "_softmax_backward_data.default", "_log_softmax_backward_data.default",
+    "_softmax.default", "_log_softmax.default", "_softmax_backward_data.default", "_log_softmax_backward_data.default",
     "gelu.default", "gelu_backward.default",
 ):
     _library_rule(_name, _aten)
