@@ -13,7 +13,8 @@ computes the same values:
 - the Relax side: output j comes straight from a `call_tir` of the same shape
   and dtype as input i, with input i as one of its arguments, and neither
   input i nor anything that may share its buffer (reshapes, tuples, packed
-  calls) is read after that call or returned;
+  calls other than the kernel library's, whose results are new tensors) is read
+  after that call or returned;
 - the PrimFunc side (`_writes_in_place`): exactly one block writes the output,
   pointwise at its own data-parallel iterators, reading the input there only at
   that same point; every other read of the input happens in loop nests that
@@ -65,9 +66,19 @@ def _alias_sets(func, mod) -> dict:
             callee = mod[value.args[0]]
             # Legalized reshapes become views of their input (RewriteDataflowReshape); the rest allocate.
             sets[b.var] = of(value.args[1]) if relax.analysis.has_reshape_pattern(callee) else frozenset()
+        elif _is_library_call(value):  # ratex.lib.* kernels return buffers of their own
+            sets[b.var] = frozenset()
         else:  # vars, tuples, packed calls, other ops: may return (part of) what they are given
             sets[b.var] = of(value)
     return sets
+
+
+def _is_library_call(value) -> bool:
+    """A call of the kernel library (ratex/core/kernels.py), whose results are always new tensors."""
+    if not isinstance(value, relax.Call) or not value.op.same_as(tvm.ir.Op.get("relax.call_pure_packed")):
+        return False
+    fn = value.args[0]
+    return isinstance(fn, relax.ExternFunc) and str(fn.global_symbol).startswith("ratex.lib.")
 
 
 def _donate(mod, wanted: dict):

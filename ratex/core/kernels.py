@@ -4,7 +4,8 @@ tvm_lowering/ops/library.py emits `call_pure_packed("ratex.lib.<op>", ...)`
 for matmul and convolution; these functions receive TVM tensors, view them as
 torch tensors through DLPack (no copies), run ATen's kernel and hand the result
 back the same way. Transposed operands arrive untransposed with a flag and are
-passed as strided views.
+passed as strided views. Every result is a new tensor, never an input or a view
+of one: buffer donation (tvm_lowering/inplace.py) relies on that.
 """
 import functools
 import json
@@ -109,16 +110,13 @@ def _matmul(a, b):
     return _out(torch.matmul(torch.from_dlpack(a), torch.from_dlpack(b)))
 
 
-_PLACEHOLDER = torch.zeros(1)
-
-
 def _convolution_backward(g, x, w, attrs):
     cfg = _attrs(attrs)
     outs = aten.convolution_backward.default(
         torch.from_dlpack(g), torch.from_dlpack(x), torch.from_dlpack(w), cfg["bias_sizes"], cfg["stride"],
         cfg["padding"], cfg["dilation"], cfg["transposed"], cfg["output_padding"], cfg["groups"], cfg["output_mask"],
     )
-    return [_out(o if o is not None else _PLACEHOLDER) for o in outs]
+    return [_out(o if o is not None else torch.zeros(1)) for o in outs]  # (a None output: a placeholder)
 
 
 @functools.lru_cache(maxsize=None)
