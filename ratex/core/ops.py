@@ -12,6 +12,7 @@ and anything without a meta kernel or a lowering rule runs eagerly on CPU
 import functools
 
 import torch
+import torch._decomp
 
 import tvm_lowering
 from . import metrics, random, shape, sync, tensor
@@ -150,15 +151,30 @@ def _functional(func, args, kwargs):
     try:
         out = shape.infer(func, spec, metas)
     except shape.NoMeta:
-        return eager(func, args, kwargs)
+        return _decomposed_or_eager(func, args, kwargs, None)
+    if _all_empty(out):
+        return _empty_outputs(out)
     counter = _lowered_counter(func)
     if counter is None:
-        return eager(func, args, kwargs)
+        return _decomposed_or_eager(func, args, kwargs, out)
     node = Node(func, spec, tuple(values), out.metas, multi=out.kind != "tensor")
     if sync.unlowerable and node.key in sync.unlowerable:
         return eager(func, args, kwargs)
     metrics.counter_inc(counter)
     return _wrap(node, out)
+
+
+def _all_empty(out) -> bool:
+    return all(m is None or 0 in m.shape for m in out.metas)
+
+
+def _empty_outputs(out):
+    """Outputs without elements have no values to compute: they are device data at once."""
+    outs = [None if m is None else tensor.LazyTensor.from_cpu(torch.empty(m.shape, dtype=m.dtype), adopt=True)
+            for m in out.metas]
+    if out.kind == "tensor":
+        return outs[0]
+    return tuple(outs) if out.kind == "tuple" else outs
 
 
 @functools.lru_cache(maxsize=None)
@@ -250,7 +266,18 @@ def _rsub_scalar(self, other, alpha=1):
     return aten.sub.Tensor(lhs, scaled)
 
 
+def _where_scalars(cond, a, b):
+    """where with Python scalars: the scalars become 0-dim tensors of the promoted dtype."""
+    dtype = torch.result_type(a, b)
+    a, b = (x if isinstance(x, torch.Tensor) else aten.full.default([], x, dtype=dtype, device=cond.device)
+            for x in (a, b))
+    return aten.where.self(cond, aten._to_copy.default(a, dtype=dtype), aten._to_copy.default(b, dtype=dtype))
+
+
 DECOMPS = {
+    aten.where.ScalarSelf: _where_scalars,
+    aten.where.ScalarOther: _where_scalars,
+    aten.where.Scalar: _where_scalars,
     aten.add.Tensor: _add_alpha(aten.add.Tensor),
     aten.sub.Tensor: _add_alpha(aten.sub.Tensor),
     aten.addcmul.default: _addcmul,
@@ -285,6 +312,10 @@ def _view(func, args, kwargs):
         return eager(func, args, kwargs)
     if out.kind != "tensor":
         return eager(func, args, kwargs)
+    if _lowered_counter(func) is None and func not in _IDENTITY_VIEWS:  # e.g. movedim: a composite of views
+        result = _decomposed(func, args, kwargs, out)
+        if result is not NotImplemented:
+            return result
     metrics.counter_inc(_view_counter(func))
     value = values[0] if func in _IDENTITY_VIEWS else (Node(func, spec, tuple(values), out.metas), 0)
     return tensor.LazyTensor(
@@ -487,6 +518,99 @@ def _clone(func, args, kwargs):
     return tensor.LazyTensor.from_value(src._value())
 
 
+# ---- PyTorch's decompositions: the tier between a lowering rule and the CPU -------
+_decomposing = set()  # ops whose decomposition is running (one that re-emits its own op runs it eagerly)
+
+
+@functools.lru_cache(maxsize=None)
+def _torch_decomp(func):
+    """PyTorch's decomposition of `func`, or None (random ops keep their own seeded path).
+
+    torch._decomp's table first; else the op's CompositeImplicitAutograd kernel,
+    for composite ops that reach the lazy device from inside another decomposition.
+    """
+    if torch.Tag.nondeterministic_seeded in func.tags:
+        return None
+    found = torch._decomp.decomposition_table.get(func)
+    if found is None and torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"):
+        found = func.decompose
+    return found
+
+
+def _decomposed_or_eager(func, args, kwargs, out):
+    """Trace `func` through PyTorch's decomposition into simpler ops, else run it eagerly."""
+    result = _decomposed(func, args, kwargs, out)
+    return eager(func, args, kwargs) if result is NotImplemented else result
+
+
+def _decomposed(func, args, kwargs, out):
+    """`func` traced through its decomposition, or NotImplemented where it has none that works.
+
+    `out` (the inferred outputs, None where there is no meta kernel) must match
+    what the decomposition produced: one whose shapes or dtypes differ is not used.
+    """
+    decomp = _torch_decomp(func)
+    if decomp is None or func in _decomposing:
+        return NotImplemented
+    _decomposing.add(func)
+    try:
+        result = decomp(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - e.g. a decomposition written for other tensor types: CPU is right
+        result = NotImplemented
+    finally:
+        _decomposing.discard(func)
+    if result is NotImplemented or (out is not None and not _matches(result, out)):
+        return NotImplemented
+    return result
+
+
+def _matches(result, out) -> bool:
+    results = [result] if out.kind == "tensor" else list(result) if isinstance(result, (tuple, list)) else None
+    if results is None or len(results) != len(out.metas):
+        return False
+    for r, m in zip(results, out.metas):
+        if m is None:
+            continue
+        if not isinstance(r, tensor.LazyTensor) or tuple(r.shape) != m.shape or r.dtype != m.dtype:
+            return False
+    return True
+
+
+# The refs among those decompositions are written with prims; these are their ATen equivalents.
+prims = torch.ops.prims
+
+
+def _prims_div(a, b):
+    if a.dtype.is_floating_point or a.dtype.is_complex:
+        return aten.div.Tensor(a, b)
+    return aten.div.Tensor_mode(a, b, rounding_mode="trunc")
+
+
+def _prims_broadcast_in_dim(a, shape, broadcast_dimensions):
+    sizes = [1] * len(shape)
+    for size, d in zip(a.shape, broadcast_dimensions):
+        sizes[d] = size
+    return aten.expand.default(aten.view.default(a, sizes), list(shape))
+
+
+def _prims_var(a, dims, correction=1, *, output_dtype=None):
+    return aten.var.correction(a, dims, correction=correction)
+
+
+def _prims_sum(a, dims, *, output_dtype=None):
+    return aten.sum.dim_IntList(a, dims, dtype=output_dtype)
+
+
+DECOMPS.update({
+    prims.where.default: aten.where.self,
+    prims.div.default: _prims_div,
+    prims.broadcast_in_dim.default: _prims_broadcast_in_dim,
+    prims.var.default: _prims_var,
+    prims.sum.default: _prims_sum,
+    prims.convert_element_type.default: lambda a, dtype: aten._to_copy.default(a, dtype=dtype),
+})
+
+
 # ---- eager fallback --------------------------------------------------------------
 def eager(func, args, kwargs):
     """Run `func` on CPU PyTorch with materialized inputs; results come back as device data."""
@@ -585,3 +709,21 @@ DECOMPS.update({
 })
 HANDLERS[aten.unsafe_split.Tensor] = _split_views
 HANDLERS[aten.unsafe_split_with_sizes.default] = _split_views
+
+
+@handles(aten._has_compatible_shallow_copy_type.default)
+def _shallow_copy_compatible(func, args, kwargs):
+    """Autograd asks this when it replaces a tensor's data: a metadata question, no values needed."""
+    return isinstance(args[0], tensor.LazyTensor) == isinstance(args[1], tensor.LazyTensor)
+
+
+@handles(aten.arange.out, aten.arange.start_out)
+def _arange_out(func, args, kwargs):
+    """arange into a lazy `out` (what torch.arange(device='lazy') becomes): a factory, made on CPU."""
+    out = kwargs["out"]
+    new = tensor.LazyTensor.from_cpu(func(*args, out=torch.empty(0, dtype=out.dtype)), adopt=True)
+    if tuple(new.shape) == tuple(out.shape):
+        out._write(new._value())
+    else:
+        out._assume(new)
+    return out

@@ -311,42 +311,50 @@ def native_batch_norm(imp, node):
     return emit(imp, relax.Tuple([out, save_mean, save_invstd]))
 
 
-# ---- avg_pool2d ---------------------------------------------------------------------------
-def _avg_pool_te(x, kernel, stride, padding, out_hw, count_include_pad, divisor):
-    *lead, H, W = x.shape
-    kh, kw = kernel
-    sh, sw = stride
-    ph, pw = padding
+# ---- avg_pool2d / avg_pool3d --------------------------------------------------------------
+def _avg_pool_te(x, kernel, stride, padding, out_sizes, count_include_pad, divisor):
+    """Average pool over the last len(kernel) dims, as PyTorch's CPU kernel counts the window.
+
+    A window is clipped to the padded input (input + padding on each side);
+    without count_include_pad it is further clipped to the input itself.
+    """
+    n = len(kernel)
+    sizes = x.shape[-n:]
     dt = str(x.dtype)
 
     def body(*idx):
-        lead_idx, oh, ow = idx[:-2], idx[-2], idx[-1]
-        h0, w0 = oh * sh - ph, ow * sw - pw
+        lead_idx, out_idx = idx[:-n], idx[-n:]
+        starts = [o * s - p for o, s, p in zip(out_idx, stride, padding)]
         acc = tirx.const(0, dt)
-        for i in range(kh):
-            for j in range(kw):
-                h, w = h0 + i, w0 + j
-                ok = tirx.all(h >= 0, h < H, w >= 0, w < W)
-                acc = acc + tirx.if_then_else(ok, x[(*lead_idx, h, w)], tirx.const(0, dt))
+        for offs in np.ndindex(*kernel):
+            pos = [s + o for s, o in zip(starts, offs)]
+            ok = tirx.all(*[tirx.all(q >= 0, q < size) for q, size in zip(pos, sizes)])
+            acc = acc + tirx.if_then_else(ok, x[(*lead_idx, *pos)], tirx.const(0, dt))
         if divisor:
             div = tirx.const(divisor, "int32")
         else:
-            h1, w1 = tirx.min(h0 + kh, H + ph), tirx.min(w0 + kw, W + pw)
-            if count_include_pad:
-                div = (h1 - h0) * (w1 - w0)
-            else:
-                div = (tirx.min(h1, H) - tirx.max(h0, 0)) * (tirx.min(w1, W) - tirx.max(w0, 0))
+            ends = [tirx.min(s + k, size + p) for s, k, size, p in zip(starts, kernel, sizes, padding)]
+            if not count_include_pad:
+                starts = [tirx.max(s, 0) for s in starts]
+                ends = [tirx.min(e, size) for e, size in zip(ends, sizes)]
+            div = ends[0] - starts[0]
+            for s, e in zip(starts[1:], ends[1:]):
+                div = div * (e - s)
         return acc / div.astype(dt)
 
-    return te.compute((*lead, *out_hw), body, name="avg_pool2d")
+    return te.compute((*x.shape[:-n], *out_sizes), body, name=f"avg_pool{n}d")
 
 
-@rule("avg_pool2d.default")
-def avg_pool2d(imp, node):
-    """TVM's rule ignores divisor_override; this one follows PyTorch's CPU kernel."""
+@rule("avg_pool2d.default", "avg_pool3d.default")
+def avg_pool(imp, node):
+    """TVM's rules ignore divisor_override (and get 3-D windows wrong); this follows PyTorch's CPU kernel."""
     x = env(imp, node.args[0])
-    kernel, stride, padding = pool_window(node)
+    n = 3 if node.target.__name__.startswith("avg_pool3d") else 2
+    kernel = pair(arg(node, 1, "kernel_size"), n)
+    stride = arg(node, 2, "stride", None)
+    stride = pair(stride, n) if stride else kernel
+    padding = pair(arg(node, 3, "padding", 0), n)
     cip = arg(node, 5, "count_include_pad", True)
     divisor = arg(node, 6, "divisor_override", None)
     out_shape, _ = out_meta(node)
-    return emit_te(imp, _avg_pool_te, x, kernel, stride, padding, out_shape[-2:], cip, divisor)
+    return emit_te(imp, _avg_pool_te, x, kernel, stride, padding, out_shape[-n:], cip, divisor)
