@@ -274,7 +274,22 @@ def _where_scalars(cond, a, b):
     return aten.where.self(cond, aten._to_copy.default(a, dtype=dtype), aten._to_copy.default(b, dtype=dtype))
 
 
+def _index_put_mask(self, indices, values, accumulate=False):
+    """x[mask] = v with one boolean mask and a single value is a `where` (no data-dependent shape)."""
+    if len(indices) != 1 or indices[0] is None or indices[0].dtype not in (torch.bool, torch.uint8):
+        return NotImplemented
+    mask = indices[0]
+    if values.numel() != 1 or tuple(mask.shape) != tuple(self.shape[:mask.dim()]):
+        return NotImplemented
+    mask = aten.view.default(mask.to(self.device).bool(), list(mask.shape) + [1] * (self.dim() - mask.dim()))
+    value = aten._to_copy.default(aten.view.default(values, []), dtype=self.dtype)
+    if accumulate:
+        value = aten.add.Tensor(self, value)
+    return aten.where.self(mask, value, self)
+
+
 DECOMPS = {
+    aten.index_put.default: _index_put_mask,
     aten.where.ScalarSelf: _where_scalars,
     aten.where.ScalarOther: _where_scalars,
     aten.where.Scalar: _where_scalars,

@@ -2,10 +2,11 @@
 
 Each one is checked there against CPU PyTorch, on OpInfo's samples.
 """
+import numpy as np
 from tvm import relax
 
 from . import rule
-from .nn import arg, emit, out_meta
+from .nn import arg, cast, dtype, emit, env, out_meta, shape
 
 
 @rule("full.default")
@@ -14,3 +15,67 @@ def full(imp, node):
     shp, dt = out_meta(node)
     value = relax.const(arg(node, 1, "fill_value"), dt)  # a 0-dim tensor: legalizing full() to () fails
     return value if not shp else emit(imp, relax.op.full(relax.ShapeExpr(shp), value, dt))
+
+
+# TVM's rule is plain bilinear resizing (no antialias filter): wrong whenever the image
+# shrinks. None removes it, so the op runs on CPU PyTorch.
+rule("_upsample_bilinear2d_aa.default")(None)
+
+
+# ---- index_put -------------------------------------------------------------------------------
+def _advanced_layout(xs, idx_shapes):
+    """Shape of `x[indices]` and where the broadcast index dims start, per PyTorch's rules.
+
+    `idx_shapes[d]` is the shape of the index tensor of dim d, None for a full slice.
+    Adjacent index tensors put their broadcast dims where they stand; separated ones
+    put them first.
+    """
+    adv = [d for d, s in enumerate(idx_shapes) if s is not None]
+    bshape = list(np.broadcast_shapes(*[tuple(idx_shapes[d]) for d in adv]))
+    if adv == list(range(adv[0], adv[-1] + 1)):
+        start = adv[0]
+        return xs[:start] + bshape + xs[adv[-1] + 1:], start, bshape
+    return bshape + [xs[d] for d, s in enumerate(idx_shapes) if s is None], 0, bshape
+
+
+@rule("index_put.default", "_unsafe_index_put.default")
+def index_put(imp, node):
+    """x[indices] = values (or += with accumulate) as one scatter over x's flat positions.
+
+    TVM's rule mishandles full-slice (None) entries of `indices`; here every dim gets an
+    int64 position tensor broadcast to the indexed shape, and they combine into flat offsets.
+    """
+    x = env(imp, node.args[0])
+    values = env(imp, node.args[2])
+    accumulate = arg(node, 3, "accumulate", False)
+    xs = shape(x)
+    nd = len(xs)
+    idx = [env(imp, i) for i in node.args[1]] + [None] * (nd - len(node.args[1]))
+    if nd == 0 or any(i is not None and dtype(i) in ("bool", "uint8") for i in idx):
+        raise NotImplementedError("index_put with boolean masks or on a 0-dim tensor")
+    rshape, bstart, bshape = _advanced_layout(xs, [None if i is None else shape(i) for i in idx])
+    if 0 in rshape:
+        return x
+    slice_pos = iter([p for p in range(len(rshape)) if not bstart <= p < bstart + len(bshape)])
+    strides = [int(np.prod(xs[d + 1:])) for d in range(nd)]
+    flat = None
+    for d in range(nd):
+        if idx[d] is None:
+            pos = next(slice_pos)
+            t = emit(imp, relax.op.arange(0, xs[d], 1, "int64"))
+            t = emit(imp, relax.op.reshape(t, [1] * pos + [xs[d]] + [1] * (len(rshape) - pos - 1)))
+        else:
+            t = cast(imp, idx[d], "int64")
+            t = emit(imp, relax.op.where(relax.op.less(t, relax.const(0, "int64")),
+                                         relax.op.add(t, relax.const(xs[d], "int64")), t))
+            ishape = shape(idx[d])
+            lead = [1] * (len(bshape) - len(ishape))
+            t = emit(imp, relax.op.reshape(t, [1] * bstart + lead + ishape + [1] * (len(rshape) - bstart - len(bshape))))
+        t = emit(imp, relax.op.multiply(t, relax.const(strides[d], "int64")))
+        flat = t if flat is None else emit(imp, relax.op.add(flat, t))
+    flat = emit(imp, relax.op.reshape(emit(imp, relax.op.broadcast_to(flat, rshape)), [-1]))
+    vals = emit(imp, relax.op.broadcast_to(cast(imp, values, dtype(x)), rshape))
+    vals = emit(imp, relax.op.reshape(vals, [-1]))
+    data = emit(imp, relax.op.reshape(x, [-1]))
+    out = emit(imp, relax.op.scatter_elements(data, flat, vals, axis=0, reduction="add" if accumulate else "update"))
+    return emit(imp, relax.op.reshape(out, xs))
