@@ -132,6 +132,27 @@ def _copy_parts(parts):
     return tree_map(one, parts)
 
 
+def _own_storage(parts):
+    """The inputs as `.to(device)` delivers them: a view into a larger storage gets its own.
+
+    The device copy of a view holds only the view's elements (as on CUDA), so ops that
+    address storage directly (as_strided with a storage_offset) must see the same on CPU.
+    """
+    import torch
+    from torch.utils._pytree import tree_map
+
+    def one(x):
+        if not isinstance(x, torch.Tensor) or x.layout != torch.strided:
+            return x
+        if x.storage_offset() == 0 and x.is_contiguous() and \
+                x.untyped_storage().nbytes() == x.numel() * x.element_size():
+            return x
+        y = x.detach().clone(memory_format=torch.contiguous_format)
+        return y.requires_grad_(True) if x.requires_grad else y
+
+    return tree_map(one, parts)
+
+
 def _to_lazy(parts, device):
     import torch
     from torch.utils._pytree import tree_map
@@ -229,7 +250,7 @@ def _check_sample(op, sample, phase, device, metadata_only):
     import ratex.lazy_tensor_core.core.lazy_model as lm
     from ratex.lazy_tensor_core.debug import metrics
 
-    parts = (sample.input, sample.args, sample.kwargs)
+    parts = _own_storage((sample.input, sample.args, sample.kwargs))
     lazy_parts = _to_lazy(_copy_parts(parts), device)   # before any CPU run can mutate `parts`
     fn = _forward_fn(op) if phase == "forward" else _backward_fn(op, sample)
 

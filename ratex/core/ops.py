@@ -288,7 +288,17 @@ def _index_put_mask(self, indices, values, accumulate=False):
     return aten.where.self(mask, value, self)
 
 
+def _equal(a, b):
+    """torch.equal as a reduction on the device: one boolean comes back, not both tensors."""
+    if not isinstance(b, torch.Tensor) or a.dtype != b.dtype:
+        return NotImplemented
+    if tuple(a.shape) != tuple(b.shape):
+        return False
+    return bool(aten.all.default(aten.eq.Tensor(a, b)).item())
+
+
 DECOMPS = {
+    aten.equal.default: _equal,
     aten.index_put.default: _index_put_mask,
     aten.where.ScalarSelf: _where_scalars,
     aten.where.ScalarOther: _where_scalars,
@@ -521,7 +531,7 @@ def _to_copy(func, args, kwargs):
     return _functional(func, args, kwargs)
 
 
-@handles(aten._local_scalar_dense.default)
+@handles(aten._local_scalar_dense.default, aten.item.default)
 def _item(func, args, kwargs):
     return args[0]._to_cpu().item()
 
@@ -684,6 +694,9 @@ def _native_batch_norm(func, args, kwargs):
         var = aten.var.correction(x, dims, correction=1)
         _assign(rm, aten.add.Tensor(aten.mul.Tensor(rm, 1 - momentum), aten.mul.Tensor(mean, momentum)))
         _assign(rv, aten.add.Tensor(aten.mul.Tensor(rv, 1 - momentum), aten.mul.Tensor(var, momentum)))
+    if not a["training"]:  # PyTorch's CPU kernel saves no statistics in eval mode (its meta kernel says [C])
+        empty = torch.empty(0, dtype=out[1].dtype)
+        out = (out[0], tensor.LazyTensor.from_cpu(empty), tensor.LazyTensor.from_cpu(empty))
     return out
 
 

@@ -79,3 +79,52 @@ def index_put(imp, node):
     data = emit(imp, relax.op.reshape(x, [-1]))
     out = emit(imp, relax.op.scatter_elements(data, flat, vals, axis=0, reduction="add" if accumulate else "update"))
     return emit(imp, relax.op.reshape(out, xs))
+
+
+# ---- as_strided ---------------------------------------------------------------------------------
+def _strided_positions(imp, size, stride, offset):
+    """int64 tensor of `size` holding offset + sum(i_k * stride_k): flat positions of an as_strided view."""
+    pos = relax.const(offset, "int64")
+    for k, (n, st) in enumerate(zip(size, stride)):
+        t = emit(imp, relax.op.arange(0, n, 1, "int64"))
+        t = emit(imp, relax.op.reshape(t, [1] * k + [n] + [1] * (len(size) - k - 1)))
+        pos = emit(imp, relax.op.add(pos, relax.op.multiply(t, relax.const(st, "int64"))))
+    return emit(imp, relax.op.broadcast_to(pos, size))
+
+
+def _strided_args(node, numel, first):
+    size, stride = list(arg(node, first, "size")), list(arg(node, first + 1, "stride"))
+    offset = arg(node, first + 2, "storage_offset", None) or 0
+    last = offset + sum((n - 1) * st for n, st in zip(size, stride))
+    if 0 not in size and (offset < 0 or last >= numel):
+        raise NotImplementedError(f"as_strided reaching outside its input ({numel} elements)")
+    return size, stride, offset
+
+
+@rule("as_strided.default", "as_strided_copy.default")
+def as_strided(imp, node):
+    """Any sizes, strides and offset within the input, read from its contiguous value."""
+    x = env(imp, node.args[0])
+    numel = int(np.prod(shape(x)))
+    size, stride, offset = _strided_args(node, numel, 1)
+    if 0 in size:
+        return emit(imp, relax.op.zeros(relax.ShapeExpr(size), dtype(x)))
+    flat = emit(imp, relax.op.reshape(x, [numel]))
+    pos = emit(imp, relax.op.reshape(_strided_positions(imp, size, stride, offset), [-1]))
+    return emit(imp, relax.op.reshape(emit(imp, relax.op.take(flat, pos, axis=0)), size))
+
+
+@rule("as_strided_scatter.default")
+def as_strided_scatter(imp, node):
+    x = env(imp, node.args[0])
+    src = env(imp, node.args[1])
+    xs = shape(x)
+    numel = int(np.prod(xs))
+    size, stride, offset = _strided_args(node, numel, 2)
+    if 0 in size:
+        return x
+    flat = emit(imp, relax.op.reshape(x, [numel]))
+    pos = emit(imp, relax.op.reshape(_strided_positions(imp, size, stride, offset), [-1]))
+    vals = emit(imp, relax.op.reshape(src, [-1]))
+    out = emit(imp, relax.op.scatter_elements(flat, pos, vals, axis=0, reduction="update"))
+    return emit(imp, relax.op.reshape(out, xs))
