@@ -128,3 +128,37 @@ def as_strided_scatter(imp, node):
     vals = emit(imp, relax.op.reshape(src, [-1]))
     out = emit(imp, relax.op.scatter_elements(flat, pos, vals, axis=0, reduction="update"))
     return emit(imp, relax.op.reshape(out, xs))
+
+
+# ---- 0-dim inputs, which several of TVM's rules index out of range ----------------------------
+@rule("_softmax.default", "_log_softmax.default", "cumsum.default", "cumprod.default")
+def over_one_dim(imp, node):
+    """On a 0-dim tensor these work on a 1-element vector: TVM's rules assume a dim to index."""
+    x = env(imp, node.args[0])
+    name = node.target.__name__
+    if shape(x) or dtype(x) != out_meta(node)[1]:
+        return imp.tvm_rules[name](node)
+    one = emit(imp, relax.op.reshape(x, [1]))
+    if name.startswith("_softmax"):
+        out = relax.op.nn.softmax(one, axis=0)
+    elif name.startswith("_log_softmax"):
+        out = relax.op.nn.log_softmax(one, axis=0)
+    else:  # a cumulative sum or product of one element is that element
+        return x
+    return emit(imp, relax.op.reshape(emit(imp, out), []))
+
+
+@rule("clamp.Tensor", "clamp_min.Tensor", "clamp_max.Tensor")
+def clamp_tensor(imp, node):
+    """Bounds of another dtype are promoted with the input first (TVM's rule mixes dtypes)."""
+    x = env(imp, node.args[0])
+    name = node.target.__name__
+    _, dt = out_meta(node)
+    lo = arg(node, 1, "min") if not name.startswith("clamp_max") else None
+    hi = arg(node, 2, "max") if name.startswith("clamp.") else arg(node, 1, "max") if name.startswith("clamp_max") else None
+    out = cast(imp, x, dt)
+    if lo is not None:
+        out = emit(imp, relax.op.maximum(out, cast(imp, env(imp, lo), dt)))
+    if hi is not None:
+        out = emit(imp, relax.op.minimum(out, cast(imp, env(imp, hi), dt)))
+    return out

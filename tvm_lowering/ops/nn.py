@@ -233,16 +233,34 @@ def mse_loss(imp, node):
 
 
 # ---- reductions -------------------------------------------------------------------------
-@rule("amax.default")
+def extreme(imp, x, axes, keepdims, largest):
+    """max (or min) over `axes`, -inf (+inf) where every element is -inf (+inf).
+
+    TVM's max reduction starts from the lowest finite value, so a slice of only -inf
+    (a fully masked attention row) came out as -3.4e38 instead of -inf.
+    """
+    reduce = relax.op.max if largest else relax.op.min
+    out = emit(imp, reduce(x, axis=axes, keepdims=keepdims))
+    dt = dtype(x)
+    if not (dt.startswith("float") or dt.startswith("bfloat")):
+        return out
+    inf = relax.const(-np.inf if largest else np.inf, dt)
+    hit = emit(imp, relax.op.astype(relax.op.equal(x, inf), "int8"))
+    every = emit(imp, relax.op.equal(relax.op.min(hit, axis=axes, keepdims=keepdims), relax.const(1, "int8")))
+    return emit(imp, relax.op.where(every, inf, out))
+
+
+@rule("amax.default", "amin.default", "max.default", "min.default")
 def amax(imp, node):
     x = env(imp, node.args[0])
-    dims = arg(node, 1, "dim", [])
-    keepdim = arg(node, 2, "keepdim", False)
+    name = node.target.__name__
+    dims = arg(node, 1, "dim", []) if name.startswith("am") else []
+    keepdim = arg(node, 2, "keepdim", False) if name.startswith("am") else False
     nd = len(shape(x))
     axes = norm_dims(dims, nd) if dims not in ([], ()) else None
     if nd == 0:
         return x
-    return emit(imp, relax.op.max(x, axis=axes, keepdims=keepdim))
+    return extreme(imp, x, axes, keepdim, largest=name.startswith(("amax", "max")))
 
 
 # ---- normalization -----------------------------------------------------------------------
