@@ -131,21 +131,27 @@ def as_strided_scatter(imp, node):
 
 
 # ---- 0-dim inputs, which several of TVM's rules index out of range ----------------------------
-@rule("_softmax.default", "_log_softmax.default", "cumsum.default", "cumprod.default")
-def over_one_dim(imp, node):
-    """On a 0-dim tensor these work on a 1-element vector: TVM's rules assume a dim to index."""
+@rule("_softmax.default", "_log_softmax.default")
+def softmax(imp, node):
+    """On a 0-dim tensor: a 1-element vector's softmax (TVM's rule assumes a dim to index)."""
     x = env(imp, node.args[0])
-    name = node.target.__name__
     if shape(x) or dtype(x) != out_meta(node)[1]:
-        return imp.tvm_rules[name](node)
-    one = emit(imp, relax.op.reshape(x, [1]))
-    if name.startswith("_softmax"):
-        out = relax.op.nn.softmax(one, axis=0)
-    elif name.startswith("_log_softmax"):
-        out = relax.op.nn.log_softmax(one, axis=0)
-    else:  # a cumulative sum or product of one element is that element
+        return imp.tvm_rules[node.target.__name__](node)
+    fn = relax.op.nn.softmax if node.target.__name__.startswith("_softmax") else relax.op.nn.log_softmax
+    out = emit(imp, fn(emit(imp, relax.op.reshape(x, [1])), axis=0))
+    return emit(imp, relax.op.reshape(out, []))
+
+
+@rule("cumsum.default", "cumprod.default")
+def cumulative(imp, node):
+    """In the output dtype from the start (bool and int inputs accumulate as int64); 0-dim is itself."""
+    _, dt = out_meta(node)
+    x = cast(imp, env(imp, node.args[0]), dt)
+    nd = len(shape(x))
+    if nd == 0:
         return x
-    return emit(imp, relax.op.reshape(emit(imp, out), []))
+    fn = relax.op.cumsum if node.target.__name__.startswith("cumsum") else relax.op.cumprod
+    return emit(imp, fn(x, axis=arg(node, 1, "dim") % nd))
 
 
 @rule("clamp.Tensor", "clamp_min.Tensor", "clamp_max.Tensor")
@@ -162,3 +168,52 @@ def clamp_tensor(imp, node):
     if hi is not None:
         out = emit(imp, relax.op.minimum(out, cast(imp, env(imp, hi), dt)))
     return out
+
+
+@rule("max.dim", "min.dim")
+def max_dim(imp, node):
+    """(values, indices) as arg-reduction then gather: TVM's topk rule fails at run time on bool,
+    TVM has none for min.dim, and neither takes a 0-dim input."""
+    x = env(imp, node.args[0])
+    keepdim = arg(node, 2, "keepdim", False)
+    nd = len(shape(x))
+    if nd == 0:
+        return emit(imp, relax.Tuple([x, relax.const(0, "int64")]))
+    axis = arg(node, 1, "dim") % nd
+    data = cast(imp, x, "int8") if dtype(x) == "bool" else x
+    fn = relax.op.argmax if node.target.__name__.startswith("max") else relax.op.argmin
+    idx = cast(imp, emit(imp, fn(data, axis=axis, keepdims=True)), "int64")
+    values = emit(imp, relax.op.gather_elements(x, idx, axis=axis))
+    if not keepdim:
+        idx = emit(imp, relax.op.squeeze(idx, axis=[axis]))
+        values = emit(imp, relax.op.squeeze(values, axis=[axis]))
+    return emit(imp, relax.Tuple([values, idx]))
+
+
+@rule("scatter.src", "scatter.value")
+def scatter(imp, node):
+    """scatter_elements on the index-shaped corner of src (or a filled tensor); 0-dim works too."""
+    x = env(imp, node.args[0])
+    index = env(imp, node.args[2])
+    xs, ishape = shape(x), shape(index)
+    if 0 in ishape:
+        return x
+    if node.target.__name__ == "scatter.value":
+        src = emit(imp, relax.op.full(relax.ShapeExpr(ishape), relax.const(arg(node, 3, "value"), dtype(x)), dtype(x)))
+    else:
+        src = env(imp, node.args[3])
+        if shape(src) != ishape:  # PyTorch reads only the index-shaped corner of src
+            src = emit(imp, relax.op.strided_slice(src, list(range(len(ishape))), [0] * len(ishape), ishape))
+    if not xs:  # a 0-dim tensor: the only position is written
+        return emit(imp, relax.op.reshape(cast(imp, src, dtype(x)), []))
+    axis = arg(node, 1, "dim") % len(xs)
+    return emit(imp, relax.op.scatter_elements(x, cast(imp, index, "int64"), cast(imp, src, dtype(x)), axis=axis))
+
+
+@rule("gather.default")
+def gather(imp, node):
+    """A 0-dim input has one element, which every index reads."""
+    x = env(imp, node.args[0])
+    if shape(x):
+        return imp.tvm_rules["gather.default"](node)
+    return emit(imp, relax.op.broadcast_to(x, shape(env(imp, node.args[2]))))
