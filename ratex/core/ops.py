@@ -434,11 +434,13 @@ def _functional_of(func):
     if name.endswith("_"):
         name = name[:-1]
         packet = getattr(aten, name, None)
-        found = getattr(packet, overload, None) if packet is not None else None
-        if found is not None:
-            return found
         want = [(a.name, str(a.type)) for a in func._schema.arguments[1:]]
         pick = slice(1, None)  # transpose_.default vs transpose.int: match on the other arguments
+        found = getattr(packet, overload, None) if packet is not None else None
+        # Same overload name, same arguments: pow_.Scalar is pow.Tensor_Scalar, not pow.Scalar.
+        if found is not None and [(a.name, str(a.type)) for a in found._schema.arguments[pick]] == want \
+                and str(found._schema.arguments[0].type) == "Tensor":
+            return found
     else:
         want = [(a.name, str(a.type)) for a in func._schema.arguments if not (a.alias_info and a.alias_info.is_write)]
         pick = slice(None)
@@ -449,7 +451,8 @@ def _functional_of(func):
         cand = getattr(packet, ov)
         if cand is func or cand._schema.is_mutable:
             continue
-        if [(a.name, str(a.type)) for a in cand._schema.arguments[pick]] == want:
+        if [(a.name, str(a.type)) for a in cand._schema.arguments[pick]] == want and \
+                (pick.start is None or str(cand._schema.arguments[0].type) == "Tensor"):
             return cand
     return None
 

@@ -217,3 +217,21 @@ def gather(imp, node):
     if shape(x):
         return imp.tvm_rules["gather.default"](node)
     return emit(imp, relax.op.broadcast_to(x, shape(env(imp, node.args[2]))))
+
+
+@rule("linalg_vector_norm.default")
+def vector_norm(imp, node):
+    """ord 0 counts non-zeros (TVM's rule divides by it); a 0-dim norm is |x| (TVM's sums over a
+    dim it lacks); other cases are TVM's."""
+    x = env(imp, node.args[0])
+    nd = len(shape(x))
+    order = float(arg(node, 1, "ord", 2))
+    if order != 0 and nd:
+        return imp.tvm_rules["linalg_vector_norm.default"](node)
+    _, dt = out_meta(node)
+    if order != 0:
+        return cast(imp, emit(imp, relax.op.abs(x)), dt)
+    dims = arg(node, 2, "dim", None)
+    axes = None if dims is None or not nd else [d % nd for d in ([dims] if isinstance(dims, int) else dims)]
+    nonzero = emit(imp, relax.op.astype(relax.op.not_equal(x, relax.const(0, dtype(x))), dt))
+    return nonzero if not nd else emit(imp, relax.op.sum(nonzero, axis=axes, keepdims=arg(node, 3, "keepdim", False)))
