@@ -5,9 +5,12 @@
   2. Python decompositions (foreach ops, alpha/value scalars) into simpler ATen ops,
   3. view ops: share the base's Storage, extend the view chain,
   4. in-place and out= ops: compute functionally, then write through the view chain,
-  5. functional ops: infer output metas (memoized) and record one node,
-and anything without a meta kernel or a lowering rule runs eagerly on CPU
-(counter `aten::<op>`), its outputs becoming device data.
+  5. functional ops: infer output metas (memoized) and record one node
+     (none at all when every output is empty: those are device data at once);
+an op without a meta kernel or a lowering rule is traced through PyTorch's own
+decomposition (torch._decomp, or its CompositeImplicitAutograd kernel) when it
+has one whose outputs match, and otherwise runs eagerly on CPU (counter
+`aten::<op>`), its outputs becoming device data.
 """
 import functools
 
