@@ -57,3 +57,9 @@ def test_zero_dim_corners():
     x, i = torch.tensor(1.5), torch.tensor([0])
     check(lambda t: (torch.softmax(t, 0), torch.cumsum(t, 0), torch.max(t, 0), torch.gather(t, 0, i.to(t.device)),
                      torch.scatter_add(t, 0, i.to(t.device), torch.tensor([2.0, 7.0], device=t.device))), x)
+
+
+def test_times_zero_keeps_nan():
+    """TVM folds `x * 0` to 0; with x NaN or inf PyTorch gives NaN, so the zero is a graph input."""
+    x = torch.tensor([float("nan"), float("inf"), 1.0])
+    check(lambda t: (t * 0.0, t * 0, torch.addr(torch.zeros(3, 3, device=t.device), t, t, beta=0, alpha=0)), x)

@@ -230,8 +230,16 @@ def _float_scalar_dtype(t) -> torch.dtype:
     return t.dtype if t.dtype.is_floating_point or t.dtype.is_complex else torch.get_default_dtype()
 
 
+_MULS = (aten.mul.Tensor, aten.mul.Scalar)
+
+
 def _lift_scalar(func, args):
-    if len(args) < 2 or not _liftable(args[1]) or not isinstance(args[0], tensor.LazyTensor):
+    if len(args) < 2 or not isinstance(args[0], tensor.LazyTensor):
+        return func, args
+    # x * 0 as a constant is folded to 0 by TVM's simplifier, but NaN * 0 and inf * 0 are NaN.
+    zero_times_float = func in _MULS and type(args[1]) in (int, float) and args[1] == 0 \
+        and args[0].dtype.is_floating_point
+    if not (_liftable(args[1]) or zero_times_float):
         return func, args
     dtype = _float_scalar_dtype(args[0])
     scalar = tensor.LazyTensor.from_cpu(torch.tensor(args[1], dtype=dtype), adopt=True)
