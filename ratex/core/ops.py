@@ -348,7 +348,9 @@ def _view(func, args, kwargs):
         return eager(func, args, kwargs)
     if out.kind != "tensor":
         return eager(func, args, kwargs)
-    if _lowered_counter(func) is None and func not in _IDENTITY_VIEWS:  # e.g. movedim: a composite of views
+    # Composite views (reshape, to, movedim, ...) reach here from inside decompositions: their
+    # own decomposition yields primitive views, which in-place writes can be scattered back through.
+    if func not in _IDENTITY_VIEWS and (_lowered_counter(func) is None or _composite(func)):
         result = _decomposed(func, args, kwargs, out)
         if result is not NotImplemented:
             return result
@@ -562,6 +564,11 @@ _decomposing = set()  # ops whose decomposition is running (one that re-emits it
 
 
 @functools.lru_cache(maxsize=None)
+def _composite(func) -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd")
+
+
+@functools.lru_cache(maxsize=None)
 def _torch_decomp(func):
     """PyTorch's decomposition of `func`, or None (random ops keep their own seeded path).
 
@@ -571,7 +578,7 @@ def _torch_decomp(func):
     if torch.Tag.nondeterministic_seeded in func.tags:
         return None
     found = torch._decomp.decomposition_table.get(func)
-    if found is None and torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"):
+    if found is None and _composite(func):
         found = func.decompose
     return found
 
@@ -769,3 +776,4 @@ def _arange_out(func, args, kwargs):
     else:
         out._assume(new)
     return out
+
