@@ -20,8 +20,9 @@ Each direction of an entry gets one status:
             produced nothing differentiable); not counted in the figures
 
 Samples that raise on CPU are skipped. Samples whose CPU result is not
-reproducible (random ops: two CPU runs differ) and ops that return
-uninitialized memory (`empty*`) are compared by structure, shape and dtype only.
+reproducible (random ops: two CPU runs differ, or a random ATen op ran, even
+one OpInfo reseeds) and ops that return uninitialized memory (`empty*`) are
+compared by structure, shape and dtype only.
 
 Each entry runs in a worker subprocess (a pool of --workers, recycled after
 --max-tasks tasks), so a crash, a hang (--timeout) or a memory blow-up
@@ -131,6 +132,27 @@ def _copy_parts(parts):
     return tree_map(one, parts)
 
 
+def _own_storage(parts):
+    """The inputs as `.to(device)` delivers them: a view into a larger storage gets its own.
+
+    The device copy of a view holds only the view's elements (as on CUDA), so ops that
+    address storage directly (as_strided with a storage_offset) must see the same on CPU.
+    """
+    import torch
+    from torch.utils._pytree import tree_map
+
+    def one(x):
+        if not isinstance(x, torch.Tensor) or x.layout != torch.strided:
+            return x
+        if x.storage_offset() == 0 and x.is_contiguous() and \
+                x.untyped_storage().nbytes() == x.numel() * x.element_size():
+            return x
+        y = x.detach().clone(memory_format=torch.contiguous_format)
+        return y.requires_grad_(True) if x.requires_grad else y
+
+    return tree_map(one, parts)
+
+
 def _to_lazy(parts, device):
     import torch
     from torch.utils._pytree import tree_map
@@ -207,23 +229,42 @@ def _backward_fn(op, sample):
     return run
 
 
+def _SeededOpsSeen():
+    """A dispatch mode noting whether any random (`nondeterministic_seeded`) ATen op ran."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Mode(TorchDispatchMode):
+        any = False
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if torch.Tag.nondeterministic_seeded in func.tags:
+                self.any = True
+            return func(*args, **(kwargs or {}))
+
+    return Mode()
+
+
 def _check_sample(op, sample, phase, device, metadata_only):
     """Return ("pass"|"fallback"|"skip", info) or raise for a failure on the lazy side."""
     import ratex.lazy_tensor_core.core.lazy_model as lm
     from ratex.lazy_tensor_core.debug import metrics
 
-    parts = (sample.input, sample.args, sample.kwargs)
+    parts = _own_storage((sample.input, sample.args, sample.kwargs))
     lazy_parts = _to_lazy(_copy_parts(parts), device)   # before any CPU run can mutate `parts`
     fn = _forward_fn(op) if phase == "forward" else _backward_fn(op, sample)
 
     try:
-        want = fn(_copy_parts(parts))
+        with _SeededOpsSeen() as seen:
+            want = fn(_copy_parts(parts))
         again = fn(_copy_parts(parts))
     except _Skip:
         raise
     except Exception as e:
         raise _CpuFailed(_short(e))
-    random = metadata_only or not _close(again, want)
+    # A random op reseeded by OpInfo's wrapper repeats on CPU, but the lazy device
+    # draws from its own stream (as CUDA does): compare such samples by structure.
+    random = metadata_only or seen.any or not _close(again, want)
 
     metrics.reset()
     with warnings.catch_warnings(record=True) as caught:

@@ -44,7 +44,9 @@ SUBSET = [
     ("log_softmax", "forward"), ("nn.functional.layer_norm", "forward"), ("nn.functional.embedding", "forward"),
     ("nn.functional.mse_loss", "backward"), ("nn.functional.nll_loss", "forward"),
     ("nn.functional.avg_pool2d", "forward"), ("nn.functional.batch_norm", "backward"),
-    ("nn.functional.cross_entropy", "forward"),
+    ("nn.functional.cross_entropy", "forward"), ("nn.functional.avg_pool3d", "forward"),
+    # corners the conformance run found: index_put with full slices, strided views, norms, decompositions
+    ("__getitem__", "backward"), ("as_strided", "forward"), ("linalg.vector_norm", "backward"), ("xlogy", "forward"),
 ]
 
 _ENTRIES = conformance.entries({name for name, _ in SUBSET})

@@ -23,9 +23,21 @@ def _matmul(a, b):
         # broadcast to every batch entry (whose gradient then sums all those copies).
         return torch.mm(a.reshape(-1, a.shape[-1]), b).reshape(*a.shape[:-1], b.shape[-1])
     batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
-    a3 = a.expand(*batch, *a.shape[-2:]).reshape(-1, *a.shape[-2:])
-    b3 = b.expand(*batch, *b.shape[-2:]).reshape(-1, *b.shape[-2:])
+    n = batch.numel()  # not -1: ambiguous when a matrix dim is 0
+    a3 = a.expand(*batch, *a.shape[-2:]).reshape(n, *a.shape[-2:])
+    b3 = b.expand(*batch, *b.shape[-2:]).reshape(n, *b.shape[-2:])
     return torch.bmm(a3, b3).reshape(*batch, a.shape[-2], b.shape[-1])
 
 
 _lib.impl("matmul", _matmul)
+
+
+def _tensor_split(self, indices_or_sections, dim=0):
+    # The split points are shapes, not data: read them, as PyTorch requires them on CPU anyway.
+    points = indices_or_sections.cpu()
+    if points.dim() == 0:
+        return torch.tensor_split(self, int(points), dim)
+    return torch.tensor_split(self, points.tolist(), dim)
+
+
+_lib.impl("tensor_split.tensor_indices_or_sections", _tensor_split)

@@ -5,13 +5,17 @@
   2. Python decompositions (foreach ops, alpha/value scalars) into simpler ATen ops,
   3. view ops: share the base's Storage, extend the view chain,
   4. in-place and out= ops: compute functionally, then write through the view chain,
-  5. functional ops: infer output metas (memoized) and record one node,
-and anything without a meta kernel or a lowering rule runs eagerly on CPU
-(counter `aten::<op>`), its outputs becoming device data.
+  5. functional ops: infer output metas (memoized) and record one node
+     (none at all when every output is empty: those are device data at once);
+an op without a meta kernel or a lowering rule is traced through PyTorch's own
+decomposition (torch._decomp, or its CompositeImplicitAutograd kernel) when it
+has one whose outputs match, and otherwise runs eagerly on CPU (counter
+`aten::<op>`), its outputs becoming device data.
 """
 import functools
 
 import torch
+import torch._decomp
 
 import tvm_lowering
 from .. import config
@@ -151,15 +155,30 @@ def _functional(func, args, kwargs):
     try:
         out = shape.infer(func, spec, metas)
     except shape.NoMeta:
-        return eager(func, args, kwargs)
+        return _decomposed_or_eager(func, args, kwargs, None)
+    if _all_empty(out):
+        return _empty_outputs(out)
     counter = _lowered_counter(func)
     if counter is None:
-        return eager(func, args, kwargs)
+        return _decomposed_or_eager(func, args, kwargs, out)
     node = Node(func, spec, tuple(values), out.metas, multi=out.kind != "tensor")
     if sync.unlowerable and node.key in sync.unlowerable:
         return eager(func, args, kwargs)
     metrics.counter_inc(counter)
     return _wrap(node, out)
+
+
+def _all_empty(out) -> bool:
+    return all(m is None or 0 in m.shape for m in out.metas)
+
+
+def _empty_outputs(out):
+    """Outputs without elements have no values to compute: they are device data at once."""
+    outs = [None if m is None else tensor.LazyTensor.from_cpu(torch.empty(m.shape, dtype=m.dtype), adopt=True)
+            for m in out.metas]
+    if out.kind == "tensor":
+        return outs[0]
+    return tuple(outs) if out.kind == "tuple" else outs
 
 
 @functools.lru_cache(maxsize=None)
@@ -212,8 +231,16 @@ def _float_scalar_dtype(t) -> torch.dtype:
     return t.dtype if t.dtype.is_floating_point or t.dtype.is_complex else torch.get_default_dtype()
 
 
+_MULS = (aten.mul.Tensor, aten.mul.Scalar)
+
+
 def _lift_scalar(func, args):
-    if len(args) < 2 or not _liftable(args[1]) or not isinstance(args[0], tensor.LazyTensor):
+    if len(args) < 2 or not isinstance(args[0], tensor.LazyTensor):
+        return func, args
+    # x * 0 as a constant is folded to 0 by TVM's simplifier, but NaN * 0 and inf * 0 are NaN.
+    zero_times_float = func in _MULS and type(args[1]) in (int, float) and args[1] == 0 \
+        and args[0].dtype.is_floating_point
+    if not (_liftable(args[1]) or zero_times_float):
         return func, args
     dtype = _float_scalar_dtype(args[0])
     scalar = tensor.LazyTensor.from_cpu(torch.tensor(args[1], dtype=dtype), adopt=True)
@@ -251,7 +278,43 @@ def _rsub_scalar(self, other, alpha=1):
     return aten.sub.Tensor(lhs, scaled)
 
 
+def _where_scalars(cond, a, b):
+    """where with Python scalars: the scalars become 0-dim tensors of the promoted dtype."""
+    dtype = torch.result_type(a, b)
+    a, b = (x if isinstance(x, torch.Tensor) else aten.full.default([], x, dtype=dtype, device=cond.device)
+            for x in (a, b))
+    return aten.where.self(cond, aten._to_copy.default(a, dtype=dtype), aten._to_copy.default(b, dtype=dtype))
+
+
+def _index_put_mask(self, indices, values, accumulate=False):
+    """x[mask] = v with one boolean mask and a single value is a `where` (no data-dependent shape)."""
+    if len(indices) != 1 or indices[0] is None or indices[0].dtype not in (torch.bool, torch.uint8):
+        return NotImplemented
+    mask = indices[0]
+    if values.numel() != 1 or tuple(mask.shape) != tuple(self.shape[:mask.dim()]):
+        return NotImplemented
+    mask = aten.view.default(mask.to(self.device).bool(), list(mask.shape) + [1] * (self.dim() - mask.dim()))
+    value = aten._to_copy.default(aten.view.default(values, []), dtype=self.dtype)
+    if accumulate:
+        value = aten.add.Tensor(self, value)
+    return aten.where.self(mask, value, self)
+
+
+def _equal(a, b):
+    """torch.equal as a reduction on the device: one boolean comes back, not both tensors."""
+    if not isinstance(b, torch.Tensor) or a.dtype != b.dtype:
+        return NotImplemented
+    if tuple(a.shape) != tuple(b.shape):
+        return False
+    return bool(aten.all.default(aten.eq.Tensor(a, b)).item())
+
+
 DECOMPS = {
+    aten.equal.default: _equal,
+    aten.index_put.default: _index_put_mask,
+    aten.where.ScalarSelf: _where_scalars,
+    aten.where.ScalarOther: _where_scalars,
+    aten.where.Scalar: _where_scalars,
     aten.add.Tensor: _add_alpha(aten.add.Tensor),
     aten.sub.Tensor: _add_alpha(aten.sub.Tensor),
     aten.addcmul.default: _addcmul,
@@ -299,6 +362,12 @@ def _view(func, args, kwargs):
         return eager(func, args, kwargs)
     if out.kind != "tensor":
         return eager(func, args, kwargs)
+    # Composite views (reshape, to, movedim, ...) reach here from inside decompositions: their
+    # own decomposition yields primitive views, which in-place writes can be scattered back through.
+    if func not in _IDENTITY_VIEWS and (_lowered_counter(func) is None or _composite(func)):
+        result = _decomposed(func, args, kwargs, out)
+        if result is not NotImplemented:
+            return result
     metrics.counter_inc(_view_counter(func))
     value = values[0] if func in _IDENTITY_VIEWS else (Node(func, spec, tuple(values), out.metas), 0)
     return tensor.LazyTensor(
@@ -392,11 +461,13 @@ def _functional_of(func):
     if name.endswith("_"):
         name = name[:-1]
         packet = getattr(aten, name, None)
-        found = getattr(packet, overload, None) if packet is not None else None
-        if found is not None:
-            return found
         want = [(a.name, str(a.type)) for a in func._schema.arguments[1:]]
         pick = slice(1, None)  # transpose_.default vs transpose.int: match on the other arguments
+        found = getattr(packet, overload, None) if packet is not None else None
+        # Same overload name, same arguments: pow_.Scalar is pow.Tensor_Scalar, not pow.Scalar.
+        if found is not None and [(a.name, str(a.type)) for a in found._schema.arguments[pick]] == want \
+                and str(found._schema.arguments[0].type) == "Tensor":
+            return found
     else:
         want = [(a.name, str(a.type)) for a in func._schema.arguments if not (a.alias_info and a.alias_info.is_write)]
         pick = slice(None)
@@ -407,7 +478,8 @@ def _functional_of(func):
         cand = getattr(packet, ov)
         if cand is func or cand._schema.is_mutable:
             continue
-        if [(a.name, str(a.type)) for a in cand._schema.arguments[pick]] == want:
+        if [(a.name, str(a.type)) for a in cand._schema.arguments[pick]] == want and \
+                (pick.start is None or str(cand._schema.arguments[0].type) == "Tensor"):
             return cand
     return None
 
@@ -489,7 +561,7 @@ def _to_copy(func, args, kwargs):
     return _functional(func, args, kwargs)
 
 
-@handles(aten._local_scalar_dense.default)
+@handles(aten._local_scalar_dense.default, aten.item.default)
 def _item(func, args, kwargs):
     return args[0]._to_cpu().item()
 
@@ -503,6 +575,104 @@ def _clone(func, args, kwargs):
     if config.PARAM_ALIASING:
         return _functional(func, (src,), {})
     return tensor.LazyTensor.from_value(src._value())
+
+
+# ---- PyTorch's decompositions: the tier between a lowering rule and the CPU -------
+_decomposing = set()  # ops whose decomposition is running (one that re-emits its own op runs it eagerly)
+
+
+@functools.lru_cache(maxsize=None)
+def _composite(func) -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd")
+
+
+@functools.lru_cache(maxsize=None)
+def _torch_decomp(func):
+    """PyTorch's decomposition of `func`, or None (random ops keep their own seeded path).
+
+    torch._decomp's table first; else the op's CompositeImplicitAutograd kernel,
+    for composite ops that reach the lazy device from inside another decomposition.
+    """
+    if torch.Tag.nondeterministic_seeded in func.tags:
+        return None
+    found = torch._decomp.decomposition_table.get(func)
+    if found is None and _composite(func):
+        found = func.decompose
+    return found
+
+
+def _decomposed_or_eager(func, args, kwargs, out):
+    """Trace `func` through PyTorch's decomposition into simpler ops, else run it eagerly."""
+    result = _decomposed(func, args, kwargs, out)
+    return eager(func, args, kwargs) if result is NotImplemented else result
+
+
+def _decomposed(func, args, kwargs, out):
+    """`func` traced through its decomposition, or NotImplemented where it has none that works.
+
+    `out` (the inferred outputs, None where there is no meta kernel) must match
+    what the decomposition produced: one whose shapes or dtypes differ is not used.
+    """
+    decomp = _torch_decomp(func)
+    if decomp is None or func in _decomposing:
+        return NotImplemented
+    _decomposing.add(func)
+    try:
+        result = decomp(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - e.g. a decomposition written for other tensor types: CPU is right
+        result = NotImplemented
+    finally:
+        _decomposing.discard(func)
+    if result is NotImplemented or (out is not None and not _matches(result, out)):
+        return NotImplemented
+    return result
+
+
+def _matches(result, out) -> bool:
+    results = [result] if out.kind == "tensor" else list(result) if isinstance(result, (tuple, list)) else None
+    if results is None or len(results) != len(out.metas):
+        return False
+    for r, m in zip(results, out.metas):
+        if m is None:
+            continue
+        if not isinstance(r, tensor.LazyTensor) or tuple(r.shape) != m.shape or r.dtype != m.dtype:
+            return False
+    return True
+
+
+# The refs among those decompositions are written with prims; these are their ATen equivalents.
+prims = torch.ops.prims
+
+
+def _prims_div(a, b):
+    if a.dtype.is_floating_point or a.dtype.is_complex:
+        return aten.div.Tensor(a, b)
+    return aten.div.Tensor_mode(a, b, rounding_mode="trunc")
+
+
+def _prims_broadcast_in_dim(a, shape, broadcast_dimensions):
+    sizes = [1] * len(shape)
+    for size, d in zip(a.shape, broadcast_dimensions):
+        sizes[d] = size
+    return aten.expand.default(aten.view.default(a, sizes), list(shape))
+
+
+def _prims_var(a, dims, correction=1, *, output_dtype=None):
+    return aten.var.correction(a, dims, correction=correction)
+
+
+def _prims_sum(a, dims, *, output_dtype=None):
+    return aten.sum.dim_IntList(a, dims, dtype=output_dtype)
+
+
+DECOMPS.update({
+    prims.where.default: aten.where.self,
+    prims.div.default: _prims_div,
+    prims.broadcast_in_dim.default: _prims_broadcast_in_dim,
+    prims.var.default: _prims_var,
+    prims.sum.default: _prims_sum,
+    prims.convert_element_type.default: lambda a, dtype: aten._to_copy.default(a, dtype=dtype),
+})
 
 
 # ---- eager fallback --------------------------------------------------------------
@@ -563,6 +733,9 @@ def _native_batch_norm(func, args, kwargs):
         var = aten.var.correction(x, dims, correction=1)
         assign(rm, aten.add.Tensor(aten.mul.Tensor(rm, 1 - momentum), aten.mul.Tensor(mean, momentum)))
         assign(rv, aten.add.Tensor(aten.mul.Tensor(rv, 1 - momentum), aten.mul.Tensor(var, momentum)))
+    if not a["training"]:  # PyTorch's CPU kernel saves no statistics in eval mode (its meta kernel says [C])
+        empty = torch.empty(0, dtype=out[1].dtype)
+        out = (out[0], tensor.LazyTensor.from_cpu(empty), tensor.LazyTensor.from_cpu(empty))
     return out
 
 
@@ -593,3 +766,22 @@ DECOMPS.update({
 })
 HANDLERS[aten.unsafe_split.Tensor] = _split_views
 HANDLERS[aten.unsafe_split_with_sizes.default] = _split_views
+
+
+@handles(aten._has_compatible_shallow_copy_type.default)
+def _shallow_copy_compatible(func, args, kwargs):
+    """Autograd asks this when it replaces a tensor's data: a metadata question, no values needed."""
+    return isinstance(args[0], tensor.LazyTensor) == isinstance(args[1], tensor.LazyTensor)
+
+
+@handles(aten.arange.out, aten.arange.start_out)
+def _arange_out(func, args, kwargs):
+    """arange into a lazy `out` (what torch.arange(device='lazy') becomes): a factory, made on CPU."""
+    out = kwargs["out"]
+    new = tensor.LazyTensor.from_cpu(func(*args, out=torch.empty(0, dtype=out.dtype)), adopt=True)
+    if tuple(new.shape) == tuple(out.shape):
+        out._write(new._value())
+    else:
+        out._assume(new)
+    return out
+

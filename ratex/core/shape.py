@@ -46,7 +46,8 @@ def _run(op, spec, in_metas):
         return NoMeta(str(exc))
     except RuntimeError as exc:
         msg = str(exc)
-        if "meta" in msg.lower() and ("not implemented" in msg.lower() or "backend" in msg.lower()):
+        low = msg.lower()
+        if "meta" in low and ("not implemented" in low or "backend" in low or "cannot be called on meta" in low):
             return NoMeta(msg)
         return exc
     if isinstance(out, torch.Tensor):

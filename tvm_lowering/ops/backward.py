@@ -98,7 +98,7 @@ def log_softmax_backward(imp, node):
     g, y = env(imp, node.args[0]), env(imp, node.args[1])
     dim = arg(node, 2, "dim")
     _, out_dt = out_meta(node)
-    s = op.sum(g, axis=[dim], keepdims=True)
+    s = op.sum(g, axis=[dim] if shape(g) else None, keepdims=True)
     return cast(imp, emit(imp, op.subtract(g, op.multiply(op.exp(y), s))), out_dt)
 
 
@@ -107,7 +107,7 @@ def softmax_backward(imp, node):
     g, y = env(imp, node.args[0]), env(imp, node.args[1])
     dim = arg(node, 2, "dim")
     _, out_dt = out_meta(node)
-    s = op.sum(op.multiply(g, y), axis=[dim], keepdims=True)
+    s = op.sum(op.multiply(g, y), axis=[dim] if shape(g) else None, keepdims=True)
     return cast(imp, emit(imp, op.multiply(y, op.subtract(g, s))), out_dt)
 
 

@@ -235,20 +235,39 @@ def mse_loss(imp, node):
 
 
 # ---- reductions -------------------------------------------------------------------------
-@rule("amax.default", "amin.default")
+def extreme(imp, x, axes, keepdims, largest):
+    """max (or min) over `axes`, -inf (+inf) where every element is -inf (+inf).
+
+    TVM's max reduction starts from the lowest finite value, so a slice of only -inf
+    (a fully masked attention row) came out as -3.4e38 instead of -inf.
+    """
+    reduce = relax.op.max if largest else relax.op.min
+    out = emit(imp, reduce(x, axis=axes, keepdims=keepdims))
+    dt = dtype(x)
+    if not (dt.startswith("float") or dt.startswith("bfloat")):
+        return out
+    inf = relax.const(-np.inf if largest else np.inf, dt)
+    hit = emit(imp, relax.op.astype(relax.op.equal(x, inf), "int8"))
+    every = emit(imp, relax.op.equal(relax.op.min(hit, axis=axes, keepdims=keepdims), relax.const(1, "int8")))
+    return emit(imp, relax.op.where(every, inf, out))
+
+
+@rule("amax.default", "amin.default", "max.default", "min.default")
 def amax(imp, node):
     """Bool tensors reduce as int32 (TVM has no max/min identity for bool): amax is any, amin is all."""
     x = env(imp, node.args[0])
-    dims = arg(node, 1, "dim", [])
-    keepdim = arg(node, 2, "keepdim", False)
+    name = node.target.__name__
+    dims = arg(node, 1, "dim", []) if name.startswith("am") else []
+    keepdim = arg(node, 2, "keepdim", False) if name.startswith("am") else False
     nd = len(shape(x))
     axes = norm_dims(dims, nd) if dims not in ([], ()) else None
     if nd == 0:
         return x
-    reduce = relax.op.max if node.target.__name__ == "amax.default" else relax.op.min
+    largest = name.startswith(("amax", "max"))
     if dtype(x) == "bool":
+        reduce = relax.op.max if largest else relax.op.min
         return cast(imp, emit(imp, reduce(cast(imp, x, "int32"), axis=axes, keepdims=keepdim)), "bool")
-    return emit(imp, reduce(x, axis=axes, keepdims=keepdim))
+    return extreme(imp, x, axes, keepdim, largest=largest)
 
 
 # ---- normalization -----------------------------------------------------------------------
@@ -345,42 +364,50 @@ def _lerp(old, new, momentum, dt):
     return relax.op.add(relax.op.multiply(old, scalar(1.0 - momentum, dt)), relax.op.multiply(new, scalar(momentum, dt)))
 
 
-# ---- avg_pool2d ---------------------------------------------------------------------------
-def _avg_pool_te(x, kernel, stride, padding, out_hw, count_include_pad, divisor):
-    *lead, H, W = x.shape
-    kh, kw = kernel
-    sh, sw = stride
-    ph, pw = padding
+# ---- avg_pool2d / avg_pool3d --------------------------------------------------------------
+def _avg_pool_te(x, kernel, stride, padding, out_sizes, count_include_pad, divisor):
+    """Average pool over the last len(kernel) dims, as PyTorch's CPU kernel counts the window.
+
+    A window is clipped to the padded input (input + padding on each side);
+    without count_include_pad it is further clipped to the input itself.
+    """
+    n = len(kernel)
+    sizes = x.shape[-n:]
     dt = str(x.dtype)
 
     def body(*idx):
-        lead_idx, oh, ow = idx[:-2], idx[-2], idx[-1]
-        h0, w0 = oh * sh - ph, ow * sw - pw
+        lead_idx, out_idx = idx[:-n], idx[-n:]
+        starts = [o * s - p for o, s, p in zip(out_idx, stride, padding)]
         acc = tirx.const(0, dt)
-        for i in range(kh):
-            for j in range(kw):
-                h, w = h0 + i, w0 + j
-                ok = tirx.all(h >= 0, h < H, w >= 0, w < W)
-                acc = acc + tirx.if_then_else(ok, x[(*lead_idx, h, w)], tirx.const(0, dt))
+        for offs in np.ndindex(*kernel):
+            pos = [s + o for s, o in zip(starts, offs)]
+            ok = tirx.all(*[tirx.all(q >= 0, q < size) for q, size in zip(pos, sizes)])
+            acc = acc + tirx.if_then_else(ok, x[(*lead_idx, *pos)], tirx.const(0, dt))
         if divisor:
             div = tirx.const(divisor, "int32")
         else:
-            h1, w1 = tirx.min(h0 + kh, H + ph), tirx.min(w0 + kw, W + pw)
-            if count_include_pad:
-                div = (h1 - h0) * (w1 - w0)
-            else:
-                div = (tirx.min(h1, H) - tirx.max(h0, 0)) * (tirx.min(w1, W) - tirx.max(w0, 0))
+            ends = [tirx.min(s + k, size + p) for s, k, size, p in zip(starts, kernel, sizes, padding)]
+            if not count_include_pad:
+                starts = [tirx.max(s, 0) for s in starts]
+                ends = [tirx.min(e, size) for e, size in zip(ends, sizes)]
+            div = ends[0] - starts[0]
+            for s, e in zip(starts[1:], ends[1:]):
+                div = div * (e - s)
         return acc / div.astype(dt)
 
-    return te.compute((*lead, *out_hw), body, name="avg_pool2d")
+    return te.compute((*x.shape[:-n], *out_sizes), body, name=f"avg_pool{n}d")
 
 
-@rule("avg_pool2d.default")
-def avg_pool2d(imp, node):
-    """TVM's rule ignores divisor_override; this one follows PyTorch's CPU kernel."""
+@rule("avg_pool2d.default", "avg_pool3d.default")
+def avg_pool(imp, node):
+    """TVM's rules ignore divisor_override (and get 3-D windows wrong); this follows PyTorch's CPU kernel."""
     x = env(imp, node.args[0])
-    kernel, stride, padding = pool_window(node)
+    n = 3 if node.target.__name__.startswith("avg_pool3d") else 2
+    kernel = pair(arg(node, 1, "kernel_size"), n)
+    stride = arg(node, 2, "stride", None)
+    stride = pair(stride, n) if stride else kernel
+    padding = pair(arg(node, 3, "padding", 0), n)
     cip = arg(node, 5, "count_include_pad", True)
     divisor = arg(node, 6, "divisor_override", None)
     out_shape, _ = out_meta(node)
-    return emit_te(imp, _avg_pool_te, x, kernel, stride, padding, out_shape[-2:], cip, divisor)
+    return emit_te(imp, _avg_pool_te, x, kernel, stride, padding, out_shape[-n:], cip, divisor)

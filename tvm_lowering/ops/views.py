@@ -124,6 +124,9 @@ def scatter_add(imp, node):
     ishape, sshape = shape(index), shape(src)
     if 0 in ishape:
         return x
+    if not shape(x):  # 0-dim: the one index names the one element; src's first element is added
+        first = emit(imp, relax.op.strided_slice(emit(imp, relax.op.reshape(src, [-1])), [0], [0], [1]))
+        return emit(imp, relax.op.add(x, relax.op.reshape(first, [])))
     if ishape != sshape:  # PyTorch reads only the index-shaped corner of src
         src = emit(
             imp,
