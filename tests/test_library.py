@@ -58,3 +58,26 @@ def test_pass_rewrites_heavy_ops():
 def test_library_matches_tvm_generated_code():
     for got, want in zip(_run(library=True), _run(library=False)):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_consecutive_transposes_fold_into_one_or_none():
+    from tvm_lowering.simplify import fold_transposes
+
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((2, 3, 4), "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            a = bb.emit(relax.op.permute_dims(x, [1, 0, 2]))
+            same = bb.emit(relax.op.permute_dims(a, [1, 0, 2]))  # cancels
+            other = bb.emit(relax.op.permute_dims(a, [2, 0, 1]))  # composes
+            rev = bb.emit(relax.op.permute_dims(bb.emit(relax.op.permute_dims(x)), [0, 2, 1]))  # axes=None first
+            out = bb.emit_output(relax.Tuple([same, other, rev]))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    folded = tvm.transform.Sequential([fold_transposes, relax.transform.DeadCodeElimination()])(mod)
+    assert folded.script().count("R.permute_dims") == 2  # one per non-identity chain
+    data = np.random.default_rng(0).standard_normal((2, 3, 4)).astype("float32")
+    got = relax.VirtualMachine(build(folded, resolve_target("CPU")), tvm.cpu())["main"](tvm.runtime.tensor(data))
+    want = [data, data.transpose(1, 0, 2).transpose(2, 0, 1), data.transpose(2, 1, 0).transpose(0, 2, 1)]
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g.numpy(), w)

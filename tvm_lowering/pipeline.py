@@ -8,6 +8,7 @@ from tvm import relax
 
 from . import fastmath, inplace
 from .library_dispatch import library_dispatch
+from .simplify import fold_transposes
 from .schedules import cpu_schedule
 
 DEVICES = ("CPU", "GPU")
@@ -76,7 +77,8 @@ def _stages(target: Target, donate=(), donated=None, kernel_pass=None) -> list:
 
 def _passes(target: Target, library: bool, donate=(), donated=None, kernel_pass=None) -> list:
     # CSE removes the forward that a script's backward recomputes; DCE what nothing reads.
-    cleanup = [relax.transform.EliminateCommonSubexpr(), relax.transform.DeadCodeElimination()]
+    # fold_transposes composes the t(t(x)) chains autograd leaves (simplify.py).
+    cleanup = [relax.transform.EliminateCommonSubexpr(), fold_transposes, relax.transform.DeadCodeElimination()]
     if library:
         cleanup.append(library_dispatch)
     return cleanup + _stages(target, donate, donated, kernel_pass)
