@@ -234,3 +234,19 @@ def test_donate_pass_rewrites_only_safe_calls():
     assert done == [(0, 2)]
     text = new["main"].script()
     assert text.count("call_tir_inplace") == 1 and "inplace_indices=[2]" in text
+
+
+def test_accumulator_made_by_a_factory_is_not_a_shared_constant(dev, monkeypatch):
+    # torch.zeros(()) compiles to a constant the program returns on every run; a step that
+    # donates it (total += loss) must not write into that constant (the next epoch's zeros).
+    monkeypatch.setattr(config, "PARAM_ALIASING", True)
+    w = torch.ones(3, device=dev)
+    totals = []
+    for _ in range(3):
+        total = torch.zeros((), device=dev)
+        for _ in range(3):
+            loss = (w * 2).sum()
+            lm.mark_step()
+            total += loss.detach()
+        totals.append(total.item())
+    assert totals == [18.0, 18.0, 18.0]

@@ -24,23 +24,44 @@ class Program:
     input's buffer (ENABLE_PARAM_ALIASING; see tvm_lowering/inplace.py).
     """
 
-    __slots__ = ("fn", "vm", "mod", "executable", "donate")
+    __slots__ = ("fn", "vm", "mod", "executable", "donate", "constant")
 
-    def __init__(self, executable, mod, device, donate=()):
-        """`executable`: a VMExecutable, or a runtime module loaded from the disk cache (mod None)."""
+    def __init__(self, executable, mod, device, donate=(), constant=()):
+        """`executable`: a VMExecutable, or a runtime module loaded from the disk cache (mod None).
+
+        `constant`: outputs computed from no input (see `constant_roots`)."""
         self.vm = relax.VirtualMachine(executable, device)
         self.fn = self.vm["main"]
         self.mod = mod
         self.executable = executable
         self.donate = frozenset(donate)
+        self.constant = tuple(constant)
 
     def run(self, inputs: list) -> list:
         """Run on device data `inputs`; return device data, one per root."""
         be = backend()
         outs = [be.from_tvm(o) for o in self.fn(*[be.to_tvm(x) for x in inputs])]
         if config.PARAM_ALIASING:
+            for j in self.constant:  # a folded constant: the same buffer every run; donating it would change it
+                outs[j] = be.copy(outs[j])
             _own_buffers(be, inputs, outs, self.donate)
         return outs
+
+
+def constant_roots(graph: Graph) -> tuple:
+    """Positions of the roots that depend on no input (factories like torch.zeros).
+
+    TVM folds them into constants, which the program returns as the same buffer on
+    every run: such an output must not be donated to a later in-place update
+    (a `total = torch.zeros(()); total += loss` accumulator once corrupted the
+    program's zero that way).
+    """
+    leaves = {(id(node), idx) for node, idx in graph.leaves}
+    fed = set()  # ids of nodes that read some input
+    for node in graph.nodes:
+        if any((id(n), i) in leaves or id(n) in fed for n, i in node.inputs):
+            fed.add(id(node))
+    return tuple(j for j, (node, _) in enumerate(graph.roots) if id(node) not in fed)
 
 
 def _own_buffers(be, inputs: list, outs: list, donate: frozenset):
@@ -101,7 +122,7 @@ def _compile(graph: Graph, donate: tuple) -> Program:
         )
         # Making the VM JIT-links the code in memory, which costs about as much as the build.
         # With a persistent cache the library is exported (linked) once and loaded instead.
-        program = Program(executable, mod, dev, donate) if name is None else None
+        program = Program(executable, mod, dev, donate, constant_roots(graph)) if name is None else None
     if donated:
         metrics.counter_inc("DonatedBuffers", len(donated))
     if config.SAVE_IR:
@@ -110,7 +131,7 @@ def _compile(graph: Graph, donate: tuple) -> Program:
         metrics.counter_inc("TunedKernelsApplied", report.applied)
     if program is None:
         lib = _store(cache, name, graph, executable, report.kernels)
-        program = Program(lib if lib is not None else executable, mod, dev, donate)
+        program = Program(lib if lib is not None else executable, mod, dev, donate, constant_roots(graph))
     return program
 
 
@@ -236,7 +257,7 @@ def load_program(graph: Graph, donate=()):
         lib = cache.load(name, accept=accept)
         if lib is None:
             return None
-        program = Program(lib, None, backend().target.device(), donate)
+        program = Program(lib, None, backend().target.device(), donate, constant_roots(graph))
     metrics.counter_inc("PersistentCacheHit")
     return program
 
