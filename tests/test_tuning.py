@@ -79,9 +79,12 @@ def test_unset_means_no_tuning(cache):
 
 
 def test_tuning_runs_and_matches_pytorch(cache):
-    path, _, tuned = cache
-    # The untuned programs already on disk did not shadow the compile that tunes.
-    assert tuned["PersistentCacheHit"] == 0 and tuned["UncachedCompile"] > 0
+    path, untuned, tuned = cache
+    # The untuned programs already on disk did not shadow the compile that tunes: the ones
+    # with TVM kernels compiled again (a program without kernels, e.g. a graph that folded
+    # to views, has nothing to tune and may load from disk).
+    assert tuned["UncachedCompile"] > 0
+    assert tuned["PersistentCacheHit"] < untuned["UncachedCompile"]
     assert tuned["TunedKernels"] > 0
     assert tuned["TunedKernelsApplied"] > 0
     assert os.listdir(path / "tuning")
