@@ -11,6 +11,8 @@ import json
 import tvm
 from tvm import relax
 
+from .simplify import rewrite_functions
+
 _FLOATS = ("float32", "float64")
 
 
@@ -32,16 +34,6 @@ def _either(rewritten, call):
 
 @relax.expr_functor.mutator
 class _Dispatch(relax.PyExprMutator):
-    def __init__(self, mod):
-        super().__init__(mod)
-        self.mod_ = mod
-
-    def run(self):
-        for gv, func in self.mod_.functions_items():
-            if isinstance(func, relax.Function):
-                self.builder_.update_func(gv, self.visit_expr(func))
-        return self.builder_.get()
-
     def visit_call_(self, call):
         call = super().visit_call_(call)
         if not isinstance(call.op, tvm.ir.Op) or _dtype(call) not in _FLOATS:
@@ -107,4 +99,4 @@ class _Dispatch(relax.PyExprMutator):
 @tvm.transform.module_pass(opt_level=0, name="RatexLibraryDispatch")
 def library_dispatch(mod, _ctx):
     """Rewrite conv2d / conv2d_transpose / matmul calls into ratex.lib.* packed calls."""
-    return _Dispatch(mod).run()
+    return rewrite_functions(_Dispatch(mod), mod)

@@ -17,18 +17,16 @@ def _axes(call, ndim):
     return list(range(ndim))[::-1] if axes is None else [int(a) for a in axes]
 
 
+def rewrite_functions(mutator, mod):
+    """Run a relax.PyExprMutator made for `mod` over each of its Relax functions; return the new module."""
+    for gv, func in mod.functions_items():
+        if isinstance(func, relax.Function):
+            mutator.builder_.update_func(gv, mutator.visit_expr(func))
+    return mutator.builder_.get()
+
+
 @relax.expr_functor.mutator
 class _FoldTransposes(relax.PyExprMutator):
-    def __init__(self, mod):
-        super().__init__(mod)
-        self.mod_ = mod
-
-    def run(self):
-        for gv, func in self.mod_.functions_items():
-            if isinstance(func, relax.Function):
-                self.builder_.update_func(gv, self.visit_expr(func))
-        return self.builder_.get()
-
     def visit_call_(self, call):
         call = super().visit_call_(call)
         if not call.op.same_as(_PERMUTE) or not isinstance(call.args[0], relax.Var):
@@ -48,4 +46,4 @@ class _FoldTransposes(relax.PyExprMutator):
 @tvm.transform.module_pass(opt_level=0, name="RatexFoldTransposes")
 def fold_transposes(mod, _ctx):
     """Compose consecutive permute_dims; drop the ones that cancel."""
-    return _FoldTransposes(mod).run()
+    return rewrite_functions(_FoldTransposes(mod), mod)
