@@ -16,6 +16,7 @@ inf, NaN stays NaN, and below -87.34 (where libm returns denormals down to
 sits inside a reduction, where this form measured slower than libm's scalar
 call (the kernel library runs them on CPU by default).
 """
+import tvm
 from tvm import te, tirx
 
 _LOG2E = 1.4426950408889634
@@ -36,22 +37,24 @@ def _pow2(n):
 
 
 def fast_exp(x):
-    """Return a float32 TIR expression equal to exp(x) within a few ulp."""
-    v = tirx.Var("exp_in", "float32")
-    c = tirx.Var("exp_clamped", "float32")
-    n = tirx.Var("exp_n", "float32")
-    r = tirx.Var("exp_r", "float32")
+    """Return a float32 TIR expression equal to exp(x) within a few ulp.
+
+    Written without tirx.Let: TVM's bfloat16 legalization miscomputes a Let whose
+    value reads a bfloat16 tensor (a fused `x.float().exp()` gave inf); LLVM merges
+    the repeated subexpressions instead.
+    """
+    c = tirx.max(tirx.min(x, _f32(_MAX)), _f32(_MIN))
+    n = tirx.floor(c * _f32(_LOG2E) + _f32(0.5))
+    r = c - n * _f32(_LN2_HI) - n * _f32(_LN2_LO)
     poly = _f32(_TAYLOR[0])
     for k in _TAYLOR[1:]:
         poly = poly * r + _f32(k)
     # 2^n in two halves: n reaches 128 near the overflow bound and -126 near the underflow one
-    half = tirx.shift_right(n.astype("int32"), tirx.const(1, "int32"))
-    scaled = poly * _pow2(half) * _pow2(n.astype("int32") - half)
-    value = tirx.Let(r, c - n * _f32(_LN2_HI) - n * _f32(_LN2_LO), scaled)
-    value = tirx.Let(n, tirx.floor(c * _f32(_LOG2E) + _f32(0.5)), value)
-    value = tirx.Let(c, tirx.max(tirx.min(v, _f32(_MAX)), _f32(_MIN)), value)
-    value = tirx.Select(v > _f32(_MAX), _f32(float("inf")), tirx.Select(v < _f32(_MIN), _f32(0.0), value))
-    return tirx.Let(v, x, tirx.Select(tirx.isnan(v), v, value))
+    ni = n.astype("int32")
+    half = tirx.shift_right(ni, tirx.const(1, "int32"))
+    value = poly * _pow2(half) * _pow2(ni - half)
+    value = tirx.Select(x > _f32(_MAX), _f32(float("inf")), tirx.Select(x < _f32(_MIN), _f32(0.0), value))
+    return tirx.Select(tirx.isnan(x), x, value)
 
 
 def _exp(x):
@@ -73,3 +76,23 @@ LEGALIZE = {
         lambda x: te.compute(x.shape, lambda *i: tirx.const(1, "float32") / (tirx.const(1, "float32") + _exp(-x(*i))), name="sigmoid"),
         call.args[0])),
 }
+
+
+# ---- tan ------------------------------------------------------------------------------
+# TVM writes tan for LLVM as sin(x) / cos(x). With the target's fast-math-reassoc flag
+# LLVM folds that quotient back into a tan call, and its vectorized form returned values
+# near x itself (tan(-3) gave -3: every float32 tensor of 4096+ elements, where the loop
+# vectorizes, and float64 alike). Dividing by sin(x + pi/2) instead computes the same
+# quotient in float64 (pi/2's rounding is far below float32's ulp) in a form LLVM has no
+# fold for. Registered over TVM's own rule, for every kernel this process compiles.
+def _tan_legalize(call):
+    x = call.args[0]
+    dt = str(x.ty)  # "float32", or "float32x8" once vectorized
+    lanes = dt[len(dt.rstrip("0123456789")):] if "x" in dt else ""
+    wide = "float64" + (("x" + lanes) if lanes else "")
+    d = x if dt.startswith("float64") else x.astype(wide)
+    value = tirx.sin(d) / tirx.sin(d + tirx.const(1.5707963267948966, wide))
+    return value if dt.startswith("float64") else value.astype(dt)
+
+
+tvm.ir.register_op_attr("tirx.tan", "llvm.FLegalize", _tan_legalize, level=20)
