@@ -7,7 +7,6 @@ import torch
 from tvm import relax, te, tirx
 
 from . import rule
-from .nn import arg as _arg
 
 
 @rule("sum.dim_IntList")
@@ -36,21 +35,6 @@ def std(imp, node):
     """TVM's std ignores `correction`; its var honours it, so std = sqrt(var)."""
     var = imp.convert_map["var.correction"](node)
     return imp.block_builder.emit(relax.op.sqrt(var))
-
-
-@rule("elu.default")
-def elu(imp, node):
-    """ELU with PyTorch's scale and input_scale (TVM's rule drops them, which breaks selu)."""
-    x = imp.env[node.args[0]]
-    alpha, scale, input_scale = (float(_arg(node, i, n, 1)) for i, n in ((1, "alpha"), (2, "scale"), (3, "input_scale")))
-    dt = str(x.ty.dtype)
-    bb = imp.block_builder
-    neg = bb.emit(relax.op.multiply(
-        relax.const(alpha, dt),
-        relax.op.subtract(relax.op.exp(relax.op.multiply(x, relax.const(input_scale, dt))), relax.const(1.0, dt)),
-    ))
-    out = bb.emit(relax.op.where(relax.op.greater(x, relax.const(0.0, dt)), x, neg))
-    return out if scale == 1 else bb.emit(relax.op.multiply(out, relax.const(scale, dt)))
 
 
 @rule("full.default")
