@@ -1,0 +1,227 @@
+"""Special functions and IEEE-754 bit-level ops that TVM's torch frontend lacks.
+
+Found by the OpInfo conformance run (scripts/conformance.py). The special functions
+(erfc, erfcx, erfinv, ndtri) compute in float64 whatever their dtype, so float32 results
+are right to the last bit or two: float64 erf and erfc come from the C math library (as TVM's
+own float64 erf does); the rest is built on them here. Several are registered under both
+their ATen name and the name of the prim PyTorch decomposes them into (`erfinv` ->
+`erf_inv`, `special_ndtri` -> `ndtri`), so either form lowers.
+"""
+import math
+
+import torch
+from tvm import relax, te, tirx
+
+from . import rule
+from .nn import cast, dtype, emit, env, out_meta, shape
+
+F64 = "float64"
+_SIGNED_BITS = {"float16": "int16", "bfloat16": "int16", "float32": "int32", "float64": "int64"}
+_NARROW = {"bool", "int8", "uint8", "int16"}  # LLVM rejects max/min on these: computed in int32
+
+
+def _c(value, dt=F64):
+    return tirx.const(value, dt)
+
+
+def _dtype(expr):
+    return str(expr.ty.dtype)
+
+
+def _let(value, body):
+    """body(v) with v bound to `value` once: keeps iterated formulas from copying their inputs."""
+    v = tirx.Var("v", _dtype(value))
+    return tirx.Let(v, value, body(v))
+
+
+def _is_float(dt):
+    return dt.startswith("float") or dt.startswith("bfloat")
+
+
+def _elementwise(imp, node, fn, compute, nargs=1):
+    """`fn` per element of the node's first `nargs` arguments, broadcast to the output shape and
+    cast to `compute` first; the result is cast to the output dtype."""
+    out_shape, out_dt = out_meta(node)
+    xs = []
+    for a in node.args[:nargs]:
+        x = cast(imp, env(imp, a), compute) if isinstance(a, torch.fx.Node) else relax.const(a, compute)
+        xs.append(x if shape(x) == out_shape else emit(imp, relax.op.broadcast_to(x, out_shape)))
+
+    def kernel(*ts):
+        return te.compute(out_shape, lambda *i: fn(*(t(*i) for t in ts)).astype(out_dt),
+                          name=node.target.__name__.split(".")[0])
+
+    return imp.block_builder.emit_te(kernel, *xs)
+
+
+def _float_compute(node):
+    """float64 for float64 results, float32 for the narrower float ones (and int inputs)."""
+    return F64 if out_meta(node)[1] == F64 else "float32"
+
+
+# ---- where with operands of two dtypes (heaviside's decomposition mixes float and int64) ----
+@rule("where.self")
+def where(imp, node):
+    """The branches promoted to the output dtype first (TVM's rule needs them equal)."""
+    _, dt = out_meta(node)
+    cond = env(imp, node.args[0])
+    branches = [cast(imp, env(imp, b), dt) if isinstance(b, torch.fx.Node) else relax.const(b, dt)
+                for b in node.args[1:3]]
+    return emit(imp, relax.op.where(cast(imp, cond, "bool"), *branches))
+
+
+# ---- simple elementwise ops ------------------------------------------------------------------
+@rule("exp2.default")
+def exp2(imp, node):
+    return _elementwise(imp, node, tirx.exp2, _float_compute(node))
+
+
+@rule("log1p.default")
+def log1p(imp, node):
+    """The C library's log1p: TVM's rule is log(1 + x), which loses all of a small x (log_ndtr
+    of large x is log1p of a tiny number)."""
+    return _elementwise(imp, node, tirx.log1p, _float_compute(node))
+
+
+@rule("signbit.default")
+def signbit(imp, node):
+    """The sign bit itself, so -0.0 and NaNs with the bit set count as negative."""
+    dt = dtype(env(imp, node.args[0]))
+    if dt in _SIGNED_BITS:
+        bits = _SIGNED_BITS[dt]
+        return _elementwise(imp, node, lambda v: tirx.reinterpret(bits, v) < _c(0, bits), dt)
+    if dt == "bool" or dt.startswith("uint"):
+        return emit(imp, relax.op.zeros(relax.ShapeExpr(out_meta(node)[0]), "bool"))
+    return _elementwise(imp, node, lambda v: v < _c(0, dt), dt)
+
+
+def _nan_ignoring(pick):
+    """fmax/fmin: a NaN loses to a number; two NaNs give NaN."""
+    def fn(a, b):
+        if not _is_float(_dtype(a)):
+            return pick(a, b)
+        return tirx.Select(tirx.isnan(a), b, tirx.Select(tirx.isnan(b), a, pick(a, b)))
+    return fn
+
+
+@rule("fmax.default", "fmin.default")
+def fmax_fmin(imp, node):
+    _, dt = out_meta(node)
+    pick = tirx.Max if node.target.__name__.startswith("fmax") else tirx.Min
+    return _elementwise(imp, node, _nan_ignoring(pick), "int32" if dt in _NARROW else dt, nargs=2)
+
+
+def _hypot(a, b):
+    """sqrt(a² + b²) scaled by the larger magnitude, so it neither overflows nor underflows;
+    an infinity wins over a NaN (C's hypot, which PyTorch follows)."""
+    dt = _dtype(a)
+    a, b = tirx.abs(a), tirx.abs(b)
+    big, small = tirx.Max(a, b), tirx.Min(a, b)
+    out = _let(small / big, lambda r: big * tirx.sqrt(_c(1, dt) + r * r))
+    out = tirx.Select(big == _c(0, dt), _c(0, dt), out)
+    out = tirx.Select(tirx.isnan(a) | tirx.isnan(b), _c(math.nan, dt), out)
+    return tirx.Select(tirx.isinf(a) | tirx.isinf(b), _c(math.inf, dt), out)
+
+
+@rule("hypot.default")
+def hypot(imp, node):
+    return _elementwise(imp, node, _hypot, _float_compute(node), nargs=2)
+
+
+def _nextafter(x, y):
+    """The float next to x towards y, by stepping x's bit pattern (sign and magnitude) by one."""
+    dt = _dtype(x)
+    bits = _SIGNED_BITS[dt]
+    ix = tirx.reinterpret(bits, x)
+    up = tirx.Select(x > _c(0, dt), x < y, y < x)  # the magnitude grows: one step up the bit pattern
+    step = tirx.reinterpret(dt, tirx.Select(up, ix + _c(1, bits), ix - _c(1, bits)))
+    tiniest = tirx.reinterpret(dt, _c(1, bits))  # from zero: the smallest subnormal, signed like y
+    out = tirx.Select(x == _c(0, dt), tirx.Select(y > _c(0, dt), tiniest, -tiniest), step)
+    out = tirx.Select(x == y, y, out)
+    return tirx.Select(tirx.isnan(x) | tirx.isnan(y), x + y, out)
+
+
+@rule("nextafter.default")
+def nextafter(imp, node):
+    _, dt = out_meta(node)
+    if dt not in ("float32", "float64"):
+        raise NotImplementedError(f"nextafter on {dt} (lowered for float32 and float64)")
+    return _elementwise(imp, node, _nextafter, dt, nargs=2)
+
+
+# ---- the error function family, in float64 --------------------------------------------------
+def _erfc(x):
+    return tirx.call_pure_extern(F64, "erfc", x)
+
+
+# exp(x²) overflows float64 beyond x = 26.6; past 26 the asymptotic series of erfcx, cut after
+# its z⁶ term (z = 1 / 2x²), is exact to float64 precision (the next term is below 1e-15).
+_ERFCX_SERIES_FROM = 26.0
+
+
+def _erfcx(x):
+    """exp(x²) erfc(x), without the overflow of exp(x²) for large x."""
+    direct = tirx.exp(x * x) * _erfc(x)
+
+    def series(z):  # 1 - z + 1·3 z² - 1·3·5 z³ + ... in Horner form
+        s = _c(1)
+        for k in range(6, 0, -1):
+            s = _c(1) - _c(2 * k - 1) * z * s
+        return s / (x * _c(math.sqrt(math.pi)))
+
+    return tirx.Select(x < _c(_ERFCX_SERIES_FROM), direct, _let(_c(0.5) / (x * x), series))
+
+
+def _inverse_erf(a, q):
+    """y >= 0 with erf(y) = a, for 0 <= a < 1 given together with q = 1 - a (accurate when tiny).
+
+    Starts from Winitzki's closed form (relative error below 2e-3) and takes three Halley
+    steps on erf(y) - a (on q - erfc(y) when a > 1/2, where erf(y) - a would cancel): the error
+    cubes each step, so the last one is at float64 rounding.
+    """
+    k = 0.147
+    two_over_sqrt_pi = _c(2 / math.sqrt(math.pi))
+
+    def start(log_q1a):  # log(1 - a²) = log(q (1 + a))
+        return _let(_c(2 / (math.pi * k)) + log_q1a / _c(2),
+                    lambda t: tirx.sqrt(tirx.sqrt(t * t - log_q1a / _c(k)) - t))
+
+    def halley(y, a, q):
+        f = tirx.Select(a <= _c(0.5), tirx.erf(y) - a, q - _erfc(y))
+        return _let(f / (two_over_sqrt_pi * tirx.exp(-y * y)), lambda d: y - d / (_c(1) + y * d))
+
+    def solve(a, q):
+        y = _let(tirx.log(q * (_c(1) + a)), start)
+        for _ in range(3):
+            y = _let(y, lambda y: halley(y, a, q))
+        return y
+
+    return _let(a, lambda a: _let(q, lambda q: solve(a, q)))
+
+
+def _erfinv(x):
+    def signed(a):
+        y = tirx.Select(a == _c(1), _c(math.inf), _inverse_erf(a, _c(1) - a))
+        return tirx.Select(a > _c(1), _c(math.nan), _let(y, lambda y: tirx.Select(x < _c(0), -y, y)))
+    return _let(tirx.abs(x), signed)
+
+
+def _ndtri(p):
+    """sqrt(2) erfinv(2p - 1), through 2p itself below p = 1/2 (1 - 2p would round it away)."""
+    lower = p < _c(0.5)
+    two_p = p * _c(2)
+    y = _c(math.sqrt(2)) * _inverse_erf(tirx.Select(lower, _c(1) - two_p, two_p - _c(1)),
+                                         tirx.Select(lower, two_p, _c(2) - two_p))
+    y = _let(y, lambda y: tirx.Select(lower, -y, y))
+    y = tirx.Select(p == _c(0), _c(-math.inf), tirx.Select(p == _c(1), _c(math.inf), y))
+    return tirx.Select((p < _c(0)) | (p > _c(1)), _c(math.nan), y)
+
+
+def _float64_rule(fn):
+    return lambda imp, node: _elementwise(imp, node, fn, F64)
+
+
+rule("erfc.default")(_float64_rule(_erfc))
+rule("special_erfcx.default", "erfcx.default")(_float64_rule(_erfcx))
+rule("erfinv.default", "erf_inv.default")(_float64_rule(_erfinv))
+rule("special_ndtri.default", "ndtri.default")(_float64_rule(_ndtri))
