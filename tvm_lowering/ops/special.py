@@ -16,7 +16,9 @@ from . import rule
 from .nn import cast, dtype, emit, env, out_meta, shape
 
 F64 = "float64"
-_SIGNED_BITS = {"float16": "int16", "bfloat16": "int16", "float32": "int32", "float64": "int64"}
+# The unsigned integer of each float's width, for bit-level work (unsigned: the GPU pipeline
+# narrows int64 values to int32, which would cut float64 bit patterns in half).
+_BITS = {"float16": "uint16", "bfloat16": "uint16", "float32": "uint32", "float64": "uint64"}
 _NARROW = {"bool", "int8", "uint8", "int16"}  # LLVM rejects max/min on these: computed in int32
 
 
@@ -28,19 +30,17 @@ def _dtype(expr):
     return str(expr.ty.dtype)
 
 
-def _let(value, body):
-    """body(v) with v bound to `value` once: keeps iterated formulas from copying their inputs."""
-    v = tirx.Var("v", _dtype(value))
-    return tirx.Let(v, value, body(v))
-
-
 def _is_float(dt):
     return dt.startswith("float") or dt.startswith("bfloat")
 
 
 def _elementwise(imp, node, fn, compute, nargs=1):
     """`fn` per element of the node's first `nargs` arguments, broadcast to the output shape and
-    cast to `compute` first; the result is cast to the output dtype."""
+    cast to `compute` first; the result is cast to the output dtype.
+
+    `fn` may use a subexpression more than once, but must not bind it with a tirx.Let: TVM's
+    bfloat16 legalization computes garbage from a Let whose value reads a bfloat16 tensor,
+    as one does once a cast from bfloat16 is fused in. LLVM merges the repeated parts."""
     out_shape, out_dt = out_meta(node)
     xs = []
     for a in node.args[:nargs]:
@@ -87,9 +87,10 @@ def log1p(imp, node):
 def signbit(imp, node):
     """The sign bit itself, so -0.0 and NaNs with the bit set count as negative."""
     dt = dtype(env(imp, node.args[0]))
-    if dt in _SIGNED_BITS:
-        bits = _SIGNED_BITS[dt]
-        return _elementwise(imp, node, lambda v: tirx.reinterpret(bits, v) < _c(0, bits), dt)
+    if dt in _BITS:
+        bits = _BITS[dt]
+        sign = _c(1 << (int(bits[4:]) - 1), bits)
+        return _elementwise(imp, node, lambda v: tirx.reinterpret(bits, v) >= sign, dt)
     if dt == "bool" or dt.startswith("uint"):
         return emit(imp, relax.op.zeros(relax.ShapeExpr(out_meta(node)[0]), "bool"))
     return _elementwise(imp, node, lambda v: v < _c(0, dt), dt)
@@ -117,7 +118,8 @@ def _hypot(a, b):
     dt = _dtype(a)
     a, b = tirx.abs(a), tirx.abs(b)
     big, small = tirx.Max(a, b), tirx.Min(a, b)
-    out = _let(small / big, lambda r: big * tirx.sqrt(_c(1, dt) + r * r))
+    r = small / big
+    out = big * tirx.sqrt(_c(1, dt) + r * r)
     out = tirx.Select(big == _c(0, dt), _c(0, dt), out)
     out = tirx.Select(tirx.isnan(a) | tirx.isnan(b), _c(math.nan, dt), out)
     return tirx.Select(tirx.isinf(a) | tirx.isinf(b), _c(math.inf, dt), out)
@@ -131,7 +133,7 @@ def hypot(imp, node):
 def _nextafter(x, y):
     """The float next to x towards y, by stepping x's bit pattern (sign and magnitude) by one."""
     dt = _dtype(x)
-    bits = _SIGNED_BITS[dt]
+    bits = _BITS[dt]
     ix = tirx.reinterpret(bits, x)
     up = tirx.Select(x > _c(0, dt), x < y, y < x)  # the magnitude grows: one step up the bit pattern
     step = tirx.reinterpret(dt, tirx.Select(up, ix + _c(1, bits), ix - _c(1, bits)))
@@ -163,13 +165,11 @@ def _erfcx(x):
     """exp(x²) erfc(x), without the overflow of exp(x²) for large x."""
     direct = tirx.exp(x * x) * _erfc(x)
 
-    def series(z):  # 1 - z + 1·3 z² - 1·3·5 z³ + ... in Horner form
-        s = _c(1)
-        for k in range(6, 0, -1):
-            s = _c(1) - _c(2 * k - 1) * z * s
-        return s / (x * _c(math.sqrt(math.pi)))
-
-    return tirx.Select(x < _c(_ERFCX_SERIES_FROM), direct, _let(_c(0.5) / (x * x), series))
+    z = _c(0.5) / (x * x)
+    series = _c(1)  # 1 - z + 1·3 z² - 1·3·5 z³ + ... in Horner form
+    for k in range(6, 0, -1):
+        series = _c(1) - _c(2 * k - 1) * z * series
+    return tirx.Select(x < _c(_ERFCX_SERIES_FROM), direct, series / (x * _c(math.sqrt(math.pi))))
 
 
 _TWO_OVER_SQRT_PI = 2 / math.sqrt(math.pi)
@@ -179,28 +179,23 @@ def _winitzki(a, q):
     """Winitzki's closed-form erfinv(a), within 2.3e-3 relative; log(1 - a²) is taken as
     log(q (1 + a)) to keep the tail."""
     k = 0.147
-
-    def from_log(log_1ma2):
-        return _let(_c(2 / (math.pi * k)) + log_1ma2 / _c(2),
-                    lambda t: tirx.sqrt(tirx.sqrt(t * t - log_1ma2 / _c(k)) - t))
-
-    return _let(tirx.log(q * (_c(1) + a)), from_log)
+    log_1ma2 = tirx.log(q * (_c(1) + a))
+    t = _c(2 / (math.pi * k)) + log_1ma2 / _c(2)
+    return tirx.sqrt(tirx.sqrt(t * t - log_1ma2 / _c(k)) - t)
 
 
 def _halley_step(y, a, q):
     """One Halley step towards erf(y) = a: on f = erf(y) - a near the centre, on
     g = log erfc(y) - log q in the tail (a > 1/2), where erfc falls off too steeply for a step
-    on it to land close but its log is nearly quadratic. Each step is y - d / (1 + d c), with
+    on it to land close but its log is nearly quadratic. The step is y - d / (1 + d c), with
     d the Newton step and c = -f''/2f' (-g''/2g')."""
-    def step(e):  # e = erfcx(y), so log erfc(y) = log e - y² and g' = -(2/sqrt(pi)) / e
-        g1 = -_c(_TWO_OVER_SQRT_PI) / e
-        tail = a > _c(0.5)
-        d = tirx.Select(tail, (tirx.log(e) - y * y - tirx.log(q)) / g1,
-                        (tirx.erf(y) - a) / (_c(_TWO_OVER_SQRT_PI) * tirx.exp(-y * y)))
-        c = tirx.Select(tail, y + g1 / _c(2), y)
-        return _let(d, lambda d: y - d / (_c(1) + d * c))
-
-    return _let(_erfcx(y), step)
+    e = _erfcx(y)  # log erfc(y) = log e - y², g' = -(2/sqrt(pi)) / e
+    g1 = -_c(_TWO_OVER_SQRT_PI) / e
+    tail = a > _c(0.5)
+    d = tirx.Select(tail, (tirx.log(e) - y * y - tirx.log(q)) / g1,
+                    (tirx.erf(y) - a) / (_c(_TWO_OVER_SQRT_PI) * tirx.exp(-y * y)))
+    c = tirx.Select(tail, y + g1 / _c(2), y)
+    return y - d / (_c(1) + d * c)
 
 
 def _inverse_erf(a, q):
@@ -208,18 +203,16 @@ def _inverse_erf(a, q):
 
     One Halley step from Winitzki's start cubes its error: 2.3e-3 -> 3e-9 relative, down to
     q = 1e-300 (checked against PyTorch's float64 erfinv and ndtri). That is exact for float32
-    results but not float64 ones, and a second step is no option: TVM's LLVM codegen simplifies
-    each let-bound value with the earlier ones substituted, so compile time grows tenfold
-    per step (0.25 s -> 26 s).
+    results but not float64 ones; a second step would make the kernel's expression (written
+    out in full: see _elementwise) fifteen times larger.
     """
-    return _let(a, lambda a: _let(q, lambda q: _let(_winitzki(a, q), lambda y: _halley_step(y, a, q))))
+    return _halley_step(_winitzki(a, q), a, q)
 
 
 def _erfinv(x):
-    def signed(a):
-        y = tirx.Select(a == _c(1), _c(math.inf), _inverse_erf(a, _c(1) - a))
-        return tirx.Select(a > _c(1), _c(math.nan), _let(y, lambda y: tirx.Select(x < _c(0), -y, y)))
-    return _let(tirx.abs(x), signed)
+    a = tirx.abs(x)
+    y = tirx.Select(a == _c(1), _c(math.inf), _inverse_erf(a, _c(1) - a))
+    return tirx.Select(a > _c(1), _c(math.nan), y * tirx.Select(x < _c(0), _c(-1), _c(1)))
 
 
 def _ndtri(p):
@@ -228,7 +221,7 @@ def _ndtri(p):
     two_p = p * _c(2)
     y = _c(math.sqrt(2)) * _inverse_erf(tirx.Select(lower, _c(1) - two_p, two_p - _c(1)),
                                          tirx.Select(lower, two_p, _c(2) - two_p))
-    y = _let(y, lambda y: tirx.Select(lower, -y, y))
+    y = y * tirx.Select(lower, _c(-1), _c(1))
     y = tirx.Select(p == _c(0), _c(-math.inf), tirx.Select(p == _c(1), _c(math.inf), y))
     return tirx.Select((p < _c(0)) | (p > _c(1)), _c(math.nan), y)
 
