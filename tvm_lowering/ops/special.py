@@ -3,7 +3,8 @@
 Found by the OpInfo conformance run (scripts/conformance.py). The special functions
 (erfc, erfcx, erfinv, ndtri) compute in float64 whatever their dtype, so float32 results
 are right to the last bit or two: float64 erf and erfc come from the C math library (as TVM's
-own float64 erf does); the rest is built on them here. Several are registered under both
+own float64 erf does); the rest is built on them here. erfinv and ndtri are lowered for
+float32 accuracy only, so float64 ones run on CPU PyTorch. Several are registered under both
 their ATen name and the name of the prim PyTorch decomposes them into (`erfinv` ->
 `erf_inv`, `special_ndtri` -> `ndtri`), so either form lowers.
 """
@@ -153,6 +154,7 @@ def nextafter(imp, node):
 
 # ---- the error function family, in float64 --------------------------------------------------
 def _erfc(x):
+    """The C library's (CUDA's) float64 erfc: TVM has no erfc intrinsic."""
     return tirx.call_pure_extern(F64, "erfc", x)
 
 
