@@ -193,11 +193,11 @@ def _halley_step(y, a, q):
     d the Newton step and c = -f''/2f' (-g''/2g')."""
     e = _erfcx(y)  # log erfc(y) = log e - y², g' = -(2/sqrt(pi)) / e
     g1 = -_c(_TWO_OVER_SQRT_PI) / e
-    tail = a > _c(0.5)
-    d = tirx.Select(tail, (tirx.log(e) - y * y - tirx.log(q)) / g1,
-                    (tirx.erf(y) - a) / (_c(_TWO_OVER_SQRT_PI) * tirx.exp(-y * y)))
-    c = tirx.Select(tail, y + g1 / _c(2), y)
-    return y - d / (_c(1) + d * c)
+    d_tail = (tirx.log(e) - y * y - tirx.log(q)) / g1
+    d_centre = (tirx.erf(y) - a) / (_c(_TWO_OVER_SQRT_PI) * tirx.exp(-y * y))
+    # if_then_else, not Select: only the branch taken pays for its erf or erfcx
+    return tirx.if_then_else(a > _c(0.5), y - d_tail / (_c(1) + d_tail * (y + g1 / _c(2))),
+                             y - d_centre / (_c(1) + d_centre * y))
 
 
 def _inverse_erf(a, q):
