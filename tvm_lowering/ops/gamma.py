@@ -183,10 +183,12 @@ def zeta(s, q):
     integer, and for q = +inf; for s = +inf, 1 at q = 1, inf below and NaN above."""
     def at(f):
         # q < 0: zeta(s, q) = zeta(s, f) + sum_{j=1..m} (f-j)^-s, f = q + m in (0, 1), and for an
-        # integer s that finite sum is (-1)^s (zeta(s, 1-f) - zeta(s, 1-q)).
+        # integer s that finite sum is (-1)^s (zeta(s, 1-f) - zeta(s, 1-q)). 1 - f is taken as
+        # ceil(q) - q, which is exact where 1 - f would round away q's digits (q near 0). The two
+        # large terms are added first: at q = -m - 1/2 with s odd they cancel exactly.
         sign = 1.0 - 2.0 * (s - 2.0 * tirx.floor(s * 0.5))
-        below_zero = (_hurwitz_positive(s, f)
-                      + sign * (_hurwitz_positive(s, 1.0 - f) - _hurwitz_positive(s, 1.0 - q)))
+        below_zero = ((_hurwitz_positive(s, f) + sign * _hurwitz_positive(s, tirx.ceil(q) - q))
+                      - sign * _hurwitz_positive(s, 1.0 - q))
         value = _select(q < 0.0, below_zero, _hurwitz_positive(s, q))
         at_infinite_s = _select(q == 1.0, 1.0, _select(q < 1.0, _INF, _NAN))
         return _select(s == 1.0, _INF, _select(s < 1.0, _NAN, _select(
