@@ -36,6 +36,7 @@ _INF = float("inf")
 _NAN = float("nan")
 _SHIFT_TO = 10  # lgamma and digamma step their argument up to at least this
 _ZETA_TERMS = 10  # Hurwitz zeta terms summed before the Euler-Maclaurin tail
+_MAX_MULTIPLIED_POWER = 32  # integer powers up to this are products (rounding grows with the count)
 _BESSEL_SERIES_MAX = 20.0  # |x| up to which I0/I1 use their power series
 _BESSEL_SERIES_TERMS = 36  # its last term is below 1e-17 of the sum at |x| = 20
 _BESSEL_ASYMPTOTIC_TERMS = 28  # and the asymptotic expansion's, from |x| = 20 on
@@ -128,7 +129,7 @@ def lgamma(x):
     def at(log_g):
         # |Gamma(x) Gamma(1-x)| = pi / |sin(pi x)|; with r = x - round(x), sin(pi r) keeps its precision
         reflected = math.log(math.pi) - tirx.log(tirx.abs(tirx.sin(math.pi * (x - tirx.round(x))))) - log_g
-        return _select(_is_nonpositive_integer(x), _INF, _select(x < 0.0, reflected, log_g))
+        return _select(_is_nonpositive_integer(x), _INF, tirx.if_then_else(x < 0.0, reflected, log_g))
 
     return _let("log_g", _lgamma_positive(_select(x < 0.0, 1.0 - x, x)), at)
 
@@ -150,28 +151,39 @@ def digamma(x):
         # digamma(1-x) - digamma(x) = pi / tan(pi x); with r = x - round(x), tan(pi r) keeps its precision
         reflected = psi - math.pi / tirx.tan(math.pi * (x - tirx.round(x)))
         return _select(x == 0.0, tirx.copysign(_c(_INF), -x),
-                       _select(_is_nonpositive_integer(x), _NAN, _select(x < 0.0, reflected, psi)))
+                       _select(_is_nonpositive_integer(x), _NAN, tirx.if_then_else(x < 0.0, reflected, psi)))
 
     return _let("psi", _digamma_positive(_select(x < 0.0, 1.0 - x, x)), at)
 
 
 # ---- Hurwitz zeta, polygamma ------------------------------------------------------------------
+def _reciprocal_power(base, s):
+    """base^-s for base > 0. A constant integer s (polygamma's) multiplies, which LLVM can
+    vectorize; pow is a libm call per element."""
+    if isinstance(s, tirx.FloatImm) and s.value == int(s.value) and 1 <= s.value <= _MAX_MULTIPLIED_POWER:
+        return _let("base", base, lambda b: 1.0 / math.prod([b] * int(s.value)))
+    return tirx.pow(base, -s)
+
+
 def _hurwitz_positive(s, a):
     """zeta(s, a) for s > 1 (a variable or constant), a > 0: 10 terms of the sum, then the
-    Euler-Maclaurin tail at b = a + 10,
-        b^(1-s)/(s-1) + b^-s/2 + sum_j B_2j/(2j)! s(s+1)...(s+2j-2) b^(-s-2j+1)."""
+    Euler-Maclaurin tail at b = a + 10, taken as b^(1-s) times
+        1/(s-1) + 1/(2b) + sum_j B_2j/(2j)! s(s+1)...(s+2j-2) b^-2j
+    (b^(1-s), unlike b^-s, is representable wherever the tail is)."""
+    s_minus_1 = _c(s.value - 1.0) if isinstance(s, tirx.FloatImm) else s - 1.0
+
     def tail(b):
-        def at(p):
+        def at(p, inv_b2):
             acc = _c(_EULER_MACLAURIN[-1])
             for j in range(len(_EULER_MACLAURIN) - 1, 0, -1):
-                acc = _EULER_MACLAURIN[j - 1] + (s + float(2 * j - 1)) * (s + float(2 * j)) / (b * b) * acc
-            # p = 0 (b^-s underflowed): the tail vanishes, though the sum beside it may overflow
-            return _select(p > 0.0, p * (b / (s - 1.0) + 0.5 + s / b * acc), 0.0)
+                acc = _EULER_MACLAURIN[j - 1] + (s + float(2 * j - 1)) * (s + float(2 * j)) * inv_b2 * acc
+            # p = 0 (b^(1-s) underflowed): the tail vanishes, though the bracket may overflow
+            return _select(p > 0.0, p * (1.0 / s_minus_1 + (0.5 + s / b * acc) / b), 0.0)
 
-        return _let("p", tirx.pow(b, -s), at)
+        return _let("p", _reciprocal_power(b, s_minus_1), lambda p: _let("inv_b2", 1.0 / (b * b), lambda i: at(p, i)))
 
     def at(a):
-        head = sum(tirx.pow(a + float(i), -s) for i in range(_ZETA_TERMS))
+        head = sum(_reciprocal_power(a + float(i), s) for i in range(_ZETA_TERMS))
         return head + _let("b", a + float(_ZETA_TERMS), tail)
 
     return _let("a", a, at)
@@ -189,7 +201,8 @@ def zeta(s, q):
         sign = 1.0 - 2.0 * (s - 2.0 * tirx.floor(s * 0.5))
         below_zero = ((_hurwitz_positive(s, f) + sign * _hurwitz_positive(s, tirx.ceil(q) - q))
                       - sign * _hurwitz_positive(s, 1.0 - q))
-        value = _select(q < 0.0, below_zero, _hurwitz_positive(s, q))
+        # a branch, not a select: the three zetas cost 30 powers, wasted on the other side
+        value = tirx.if_then_else(q < 0.0, below_zero, _hurwitz_positive(s, q))
         at_infinite_s = _select(q == 1.0, 1.0, _select(q < 1.0, _INF, _NAN))
         return _select(s == 1.0, _INF, _select(s < 1.0, _NAN, _select(
             _is_nonpositive_integer(q), _INF, _select(tirx.all(q < 0.0, tirx.floor(s) != s), _NAN, _select(
@@ -218,13 +231,13 @@ def _bessel_scaled(nu, ax):
     def series(y):
         acc = _c(1.0)  # sum_k y^k / (k! (k+nu)!), nested from the last term
         for k in range(_BESSEL_SERIES_TERMS, 0, -1):
-            acc = 1.0 + acc * y / float(k * (k + nu))
+            acc = 1.0 + acc * y * (1.0 / (k * (k + nu)))
         return acc * tirx.exp(-ax) * (ax * 0.5 if nu else 1.0)
 
     def asymptotic(t):
         return _poly(t, _BESSEL_ASYMPTOTIC[nu]) / tirx.sqrt((2 * math.pi) * ax)
 
-    return _select(ax <= _BESSEL_SERIES_MAX, _let("y", ax * ax * 0.25, series), _let("t", 1.0 / ax, asymptotic))
+    return tirx.if_then_else(ax <= _BESSEL_SERIES_MAX, _let("y", ax * ax * 0.25, series), _let("t", 1.0 / ax, asymptotic))
 
 
 def bessel(nu, scaled, float32_exp):
