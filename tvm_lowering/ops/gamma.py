@@ -21,6 +21,11 @@ fixed, unrolled amount of work per element:
 
 Every intermediate used more than once is bound with a Let: TE would otherwise
 repeat its whole expression at each use, compounding stage by stage.
+
+Results are closer to the true values than PyTorch's where its kernels lose
+precision: its float trigamma near negative integers (sin(pi x) in float; at
+the poles themselves it returns large finite values, this gives inf), and its
+float64 zeta where q < 0 sums terms that cancel.
 """
 import math
 from fractions import Fraction
@@ -31,7 +36,7 @@ from tvm import relax, te, tirx
 from . import rule
 from .nn import emit, emit_te, env, out_meta, shape
 
-F64 = "float64"
+_F64 = "float64"
 _INF = float("inf")
 _NAN = float("nan")
 _SHIFT_TO = 10  # lgamma and digamma step their argument up to at least this
@@ -73,12 +78,12 @@ _BESSEL_ASYMPTOTIC = {0: _bessel_asymptotic(0), 1: _bessel_asymptotic(1)}
 
 # ---- float64 TIR expression helpers ---------------------------------------------------------
 def _c(value):
-    return tirx.const(value, F64)
+    return tirx.const(value, _F64)
 
 
 def _let(name, value, body):
     """body(v), v a float64 variable bound to `value`."""
-    var = tirx.Var(name, F64)
+    var = tirx.Var(name, _F64)
     return tirx.Let(var, value, body(var))
 
 
@@ -272,7 +277,7 @@ def _elementwise(imp, node, name, fn, *args):
     def kernel(*placeholders):
         def at(*i):
             loads = iter(placeholders)
-            values = [next(loads)(*i).astype(F64) if isinstance(a, torch.fx.Node) else _c(float(a)) for a in args]
+            values = [next(loads)(*i).astype(_F64) if isinstance(a, torch.fx.Node) else _c(float(a)) for a in args]
             return bind(values).astype(out_dtype)
 
         return te.compute(out_shape, at, name=name)
@@ -312,6 +317,6 @@ _BESSEL = {  # overload -> (nu, exponentially scaled)
 @rule(*_BESSEL)
 def bessel_rule(imp, node):
     nu, scaled = _BESSEL[node.target.__name__]
-    float32_exp = out_meta(node)[1] != F64
+    float32_exp = out_meta(node)[1] != _F64
     name = f"i{nu}e" if scaled else f"i{nu}"
     return _elementwise(imp, node, name, bessel(nu, scaled, float32_exp), node.args[0])
