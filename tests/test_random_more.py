@@ -172,6 +172,10 @@ def test_rrelu_with_noise_writes_its_noise(dev):
     noise = noise.cpu()
     assert noise[2] == 1 and ((noise[[0, 1, 3]] >= 0.2) & (noise[[0, 1, 3]] < 0.4)).all()  # x <= 0 draws
     torch.testing.assert_close(y, x * noise)
+    inplace = x.to(dev)
+    F.rrelu(inplace, 0.2, 0.4, training=True, inplace=True)
+    inplace = inplace.cpu()
+    assert torch.equal(inplace[2], x[2]) and ((inplace[[0, 3]] / x[[0, 3]] >= 0.2) & (inplace[[0, 3]] / x[[0, 3]] < 0.4)).all()
     assert not [c for c in metrics.counter_names() if c.startswith("aten::")]
 
 

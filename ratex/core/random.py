@@ -437,11 +437,11 @@ def _rrelu_with_noise(func, args, kwargs):
         noise_value = aten.where.self(aten.le.Scalar(x, 0), slope, aten.ones_like.default(slope))
         out = aten.mul.Tensor(x, noise_value)
     else:
-        noise_value = noise
+        noise_value = None
         out = aten.leaky_relu.default(x, (lower + upper) / 2)
     if func is aten.rrelu_with_noise_functional.default:
-        return out, noise_value
-    if noise_value is not noise:
+        return out, aten.clone.default(noise) if noise_value is None else noise_value
+    if noise_value is not None:
         ops.assign(noise, noise_value)
     if func is aten.rrelu_with_noise_.default:
         ops.assign(x, out)
