@@ -115,6 +115,31 @@ def exponential(seed, size, dtype, lambd=1.0):
     return _affine(_standard_exponential(seed, size), 1.0 / lambd, 0, dtype)
 
 
+def log_normal(seed, size, dtype, mean=1.0, std=2.0):
+    """exp(N(mean, std**2)): the exponential of a normal, in float64 for float64 results."""
+    return _cast(aten.exp.default(normal(seed, size, _compute_dtype(dtype), mean, std)), dtype)
+
+
+def cauchy(seed, size, dtype, median=0.0, sigma=1.0):
+    """median + sigma * tan(pi v), v = u - 1/2 in (-1/2, 1/2): the inverse of Cauchy's CDF.
+
+    tan(pi v) is computed as sin(pi v) / sin(pi (1/2 - |v|)), the cosine written as the
+    sine of the distance to the pole: 1/2 - |v| is exact, so the tails keep their relative
+    accuracy. (It also avoids TVM's tan, which vectorized under LLVM's reassociation
+    returns wrong values.)
+    """
+    v = aten.sub.Tensor(_unit(_bits(seed, size), 23, open_=True), 0.5)  # exact: multiples of 2**-24
+    to_pole = aten.rsub.Scalar(aten.abs.default(v), 0.5)
+    sine = aten.sin.default(aten.mul.Tensor(v, math.pi))
+    return _affine(aten.div.Tensor(sine, aten.sin.default(aten.mul.Tensor(to_pole, math.pi))), sigma, median, dtype)
+
+
+def geometric(seed, size, dtype, p):
+    """Trials up to the first success (1, 2, ...): ceil(ln u / ln(1 - p)) with u in (0, 1), the inverse CDF."""
+    u = _unit(_bits(seed, size), 23, open_=True)
+    return _cast(aten.ceil.default(aten.div.Tensor(aten.log.default(u), math.log1p(-p))), dtype)
+
+
 def bernoulli(seed, size, dtype, p):
     """1 with probability p (a Python float or a tensor broadcastable to `size`), else 0, in `dtype`."""
     u = _unit(_bits(seed, size), 24)
@@ -231,6 +256,26 @@ def _exponential(a):
     return exponential(_seed(a), x.shape, x.dtype, a["lambd"])
 
 
+def _log_normal(a):
+    x = a["self"]
+    _torch_checks(aten.log_normal_.default, a, "mean", "std")
+    return log_normal(_seed(a), x.shape, x.dtype, a["mean"], a["std"])
+
+
+def _cauchy(a):
+    x = a["self"]
+    _torch_checks(aten.cauchy_.default, a, "median", "sigma")
+    return cauchy(_seed(a), x.shape, x.dtype, a["median"], a["sigma"])
+
+
+def _geometric(a):
+    x = a["self"]
+    if x.dtype == torch.bool:
+        return NotImplemented  # PyTorch's error
+    _torch_checks(aten.geometric_.default, a, "p")
+    return geometric(_seed(a), x.shape, x.dtype, a["p"])
+
+
 def _bernoulli(a):
     x, p = a["self"], a.get("p", a["self"])  # bernoulli(x): x holds the probabilities
     if isinstance(p, float):
@@ -266,10 +311,20 @@ def _random(a):
 
 def _like(a, fn, *extra):
     x = a["self"]
-    device = a.get("device")
-    if device is not None and torch.device(device).type != "lazy":
-        return NotImplemented
+    if a.get("layout") not in (None, torch.strided):
+        return NotImplemented  # a sparse result: PyTorch's own
     return fn(_seed(a), x.shape, a.get("dtype") or x.dtype, *extra)
+
+
+def _elsewhere(func, args, kwargs):
+    """A `*_like` result asked for on another device (device="cpu"): made there by PyTorch.
+
+    The op reads only its input's metadata, so an uninitialized stand-in with the
+    input's shape, strides and dtype replaces it: no copy of the input's data.
+    """
+    x = args[0]
+    stand_in = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype)
+    return func(stand_in, *args[1:], **kwargs)
 
 
 def _randint_like(a):
@@ -309,11 +364,11 @@ def _register(builder, *funcs):
 
     def handle(func, args, kwargs):
         a = _bind(func, args, kwargs)
+        device = a.get("device")
+        if device is not None and torch.device(device).type != "lazy":
+            return _elsewhere(func, args, kwargs)
         target = a["out"] if "out" in a else a["self"] if func._schema.is_mutable else None
-        shaped = a.get("self", target)
-        if shaped is not None and shaped.numel() == 0:
-            return ops.eager(func, args, kwargs)  # nothing to draw
-        out = builder(a)
+        out = builder(a)  # with no elements, every op's output is device data at once: nothing runs
         if out is NotImplemented:
             return ops.eager(func, args, kwargs)
         if target is None:
@@ -337,12 +392,16 @@ _register(_floats_only(_uniform), aten.uniform_.default, aten.uniform.default)
 _register(_floats_only(_normal_), aten.normal_.default, aten.normal_functional.default)
 _register(_normal_tensors, aten.normal.Tensor_Tensor, aten.normal.Tensor_float, aten.normal.float_Tensor)
 _register(_floats_only(_exponential), aten.exponential_.default, aten.exponential.default)
+_register(_floats_only(_log_normal), aten.log_normal_.default, aten.log_normal.default)
+_register(_floats_only(_cauchy), aten.cauchy_.default, aten.cauchy.default)
+_register(_geometric, aten.geometric_.default, aten.geometric.default)
 _register(_bernoulli, aten.bernoulli.default, aten.bernoulli.p, aten.bernoulli.Tensor,
           aten.bernoulli_.float, aten.bernoulli_.Tensor)
 _register(_random, *[getattr(packet, ov) for packet in (aten.random_, aten.random) for ov in ("from", "to", "default")])
-_register(_floats_only(lambda a: _like(a, uniform)), aten.rand_like.default)
-_register(_floats_only(lambda a: _like(a, normal)), aten.randn_like.default)
-_register(_randint_like, aten.randint_like.default, aten.randint_like.low_dtype)
+_register(_floats_only(lambda a: _like(a, uniform)), aten.rand_like.default, aten.rand_like.generator)
+_register(_floats_only(lambda a: _like(a, normal)), aten.randn_like.default, aten.randn_like.generator)
+_register(_randint_like, aten.randint_like.default, aten.randint_like.low_dtype,
+          aten.randint_like.generator, aten.randint_like.low_generator_dtype)
 _register(_randperm_out, aten.randperm.generator_out, aten.randperm.out)
 _register(_multinomial, aten.multinomial.default)
 
@@ -358,3 +417,37 @@ def _native_dropout(func, args, kwargs):
 
 
 ops.HANDLERS[aten.native_dropout.default] = _native_dropout
+
+
+def _rrelu_with_noise(func, args, kwargs):
+    """Randomized leaky ReLU; returns its output ((output, noise) for the functional form).
+
+    Training: where x <= 0 the slope is r ~ U(lower, upper), and `noise` becomes r
+    there and 1 elsewhere (its backward is grad * noise), so the output is x * noise.
+    Eval: leaky_relu with the mean slope (lower + upper) / 2; noise is left as it is.
+    """
+    a = _bind(func, args, kwargs)
+    x, noise, lower, upper = a["self"], a["noise"], a["lower"], a["upper"]
+    if not x.dtype.is_floating_point or tuple(noise.shape) != tuple(x.shape):
+        return ops.eager(func, args, kwargs)  # PyTorch's error, or a noise tensor to resize
+    if lower > upper:  # PyTorch checks this on CPU only when there are elements
+        raise RuntimeError(f"Lower bound should be less than or equal to the upper bound, got lower={lower} > upper={upper}")
+    if a["training"]:
+        slope = uniform(_seed(a), x.shape, x.dtype, lower, upper)
+        noise_value = aten.where.self(aten.le.Scalar(x, 0), slope, aten.ones_like.default(slope))
+        out = aten.mul.Tensor(x, noise_value)
+    else:
+        noise_value = None
+        out = aten.leaky_relu.default(x, (lower + upper) / 2)
+    if func is aten.rrelu_with_noise_functional.default:
+        return out, aten.clone.default(noise) if noise_value is None else noise_value
+    if noise_value is not None:
+        ops.assign(noise, noise_value)
+    if func is aten.rrelu_with_noise_.default:
+        ops.assign(x, out)
+        return x
+    return out
+
+
+for _f in (aten.rrelu_with_noise.default, aten.rrelu_with_noise_.default, aten.rrelu_with_noise_functional.default):
+    ops.HANDLERS[_f] = _rrelu_with_noise

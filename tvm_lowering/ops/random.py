@@ -2,11 +2,12 @@
 
 The bits come from `tvm_lowering.counter_rng.words`, the same function the
 CPU implementation runs on torch tensors, so both give identical bits.
-Everything random on the lazy device (uniform, normal, bernoulli, randint,
-randperm, multinomial, dropout) is ordinary ATen arithmetic on these words,
-recorded by ratex/core/random.py. The rule is a TE compute (a call_tir), which
-`relax.transform.Gradient` refuses inside a function it differentiates: a
-`jit.script` forward therefore takes each dropout's keep mask as an input,
+Everything random on the lazy device (uniform, normal, log_normal, cauchy,
+geometric, bernoulli, randint, randperm, multinomial, dropout, rrelu) is
+ordinary ATen arithmetic on these words, recorded by ratex/core/random.py.
+The rule is a TE compute (a call_tir), which `relax.transform.Gradient`
+refuses inside a function it differentiates: a `jit.script` forward
+therefore takes each dropout's keep mask as an input,
 drawn by the same ops in the step's program (see tvm_lowering/torchscript.py).
 The index is computed from the loop variables inside the kernel, so no
 full-size index tensor exists for constant folding to bake into the program.
