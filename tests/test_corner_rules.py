@@ -35,6 +35,13 @@ def test_reductions_over_all_dims_and_of_any_dtype():
                   "linalg_vector_norm.default"])
 
 
+def test_arg_extremes_pick_the_first_nan_and_the_first_tie():
+    x = torch.tensor([[1.0, float("nan"), 3.0, float("nan")], [2.0, 5.0, 5.0, -1.0], [-1.0, 4.0, -1.0, 0.0]])
+    check(lambda t: (t.argmax(1), t.argmin(1), t.argmax(), t[1:].argmin(), t.argmax(0, keepdim=True),
+                     torch.max(t, 1), torch.min(t, 0)),
+          x, ops=["argmax.default", "argmin.default", "max.dim", "min.dim"])
+
+
 @pytest.mark.parametrize("shape, dim, correction", [((0,), None, 1), ((0, 4), [0], 0), ((1, 4), [0], 1),
                                                     ((2, 3), [1], 3), ((3, 4), [1], 0.5), ((), None, 0)])
 def test_var_corners(shape, dim, correction):

@@ -160,18 +160,31 @@ def any_(imp, node):
     return cast(imp, hit, "bool")
 
 
+def first_extreme_index(imp, x, axis, keepdims, largest):
+    """int64 index of the max (min) along `axis` (None: flattened): the first NaN where there is
+    one, as in PyTorch (comparisons never pick a NaN, so TVM's argmax returned another index),
+    else the first of equal extremes."""
+    fn = relax.op.argmax if largest else relax.op.argmin
+    idx = cast(imp, emit(imp, fn(x, axis=axis, keepdims=keepdims)), "int64")
+    if not _is_float(dtype(x)):
+        return idx
+    nan = cast(imp, emit(imp, relax.op.isnan(x)), "int8")
+    first_nan = cast(imp, emit(imp, relax.op.argmax(nan, axis=axis, keepdims=keepdims)), "int64")
+    any_nan = cast(imp, emit(imp, relax.op.max(nan, axis=axis, keepdims=keepdims)), "bool")
+    return emit(imp, relax.op.where(any_nan, first_nan, idx))
+
+
 @rule("argmax.default", "argmin.default")
 def arg_extreme(imp, node):
-    """A 0-dim input's index is 0 (TVM's reduction rejects it)."""
+    """NaN-aware (see first_extreme_index); a 0-dim input's index is 0 (TVM's reduction rejects it)."""
     x = env(imp, node.args[0])
     shp, _ = out_meta(node)
     if not shape(x):
         return emit(imp, relax.op.zeros(relax.ShapeExpr(shp), "int64"))
     dim = arg(node, 1, "dim")
-    keepdim = arg(node, 2, "keepdim", False)
-    fn = relax.op.argmax if node.target.__name__.startswith("argmax") else relax.op.argmin
-    idx = emit(imp, fn(x, axis=None if dim is None else dim % len(shape(x)), keepdims=keepdim))
-    idx = cast(imp, idx, "int64")
+    axis = None if dim is None else dim % len(shape(x))
+    largest = node.target.__name__.startswith("argmax")
+    idx = first_extreme_index(imp, x, axis, arg(node, 2, "keepdim", False), largest)
     return idx if shape(idx) == shp else emit(imp, relax.op.reshape(idx, shp))
 
 

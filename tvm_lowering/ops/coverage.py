@@ -6,6 +6,7 @@ import numpy as np
 from tvm import relax
 
 from . import rule
+from .corners import first_extreme_index
 from .nn import arg, cast, dtype, emit, env, out_meta, shape
 
 
@@ -173,8 +174,7 @@ def max_dim(imp, node):
         return emit(imp, relax.Tuple([x, relax.const(0, "int64")]))
     axis = arg(node, 1, "dim") % nd
     data = cast(imp, x, "int8") if dtype(x) == "bool" else x
-    fn = relax.op.argmax if node.target.__name__.startswith("max") else relax.op.argmin
-    idx = cast(imp, emit(imp, fn(data, axis=axis, keepdims=True)), "int64")
+    idx = first_extreme_index(imp, data, axis, True, largest=node.target.__name__.startswith("max"))
     values = emit(imp, relax.op.gather_elements(x, idx, axis=axis))
     if not keepdim:
         idx = emit(imp, relax.op.squeeze(idx, axis=[axis]))
