@@ -3,17 +3,16 @@
 Found by the OpInfo conformance run: 0-dim inputs (which several TVM rules
 index a dim of), zero-size reductions (a mean over no elements divides by a
 constant 0 at compile time), dtype arguments TVM's rules ignore, integer
-scalars and bounds next to tensors of another dtype, and empty dims lists that
-mean "every dim". Where TVM's rule is right, these delegate to it.
+scalars and bounds next to tensors of another dtype, empty dims lists that
+mean "every dim", and NaN where TVM's comparisons skip it.
 """
 import math
 
-from tvm import relax, tirx
+from tvm import relax
 
 from . import rule
+from .arith import _NARROW  # dtypes whose arithmetic runs in int32
 from .nn import arg, cast, dtype, emit, env, norm_dims, out_meta, shape
-
-_NARROW = {"bool", "int8", "uint8", "int16"}  # LLVM codegen rejects arithmetic on these: compute in int32
 
 
 def _is_float(dt):
@@ -204,10 +203,12 @@ def rsub(imp, node):
 @rule("clamp.default")
 def clamp(imp, node):
     """Bounds in the output dtype; an absent bound is no bound (TVM's rule passes +-inf, which an
-    integer tensor can't hold); NaN stays NaN."""
+    integer tensor can't hold); NaN inputs stay NaN."""
     _, dt = out_meta(node)
     x = cast(imp, env(imp, node.args[0]), dt)
     lo, hi = arg(node, 1, "min"), arg(node, 2, "max")
+    if any(isinstance(b, float) and math.isnan(b) for b in (lo, hi)):
+        return _full(imp, node, math.nan)  # a NaN bound makes every element NaN
     out = x
     if lo is not None:
         out = emit(imp, relax.op.maximum(out, relax.const(lo, dt)))
