@@ -28,12 +28,17 @@ def _cpu(x):
     return x.cpu() if isinstance(x, torch.Tensor) else x
 
 
-def check(fn, *args, ops=(), rtol=1e-4, atol=1e-5):
-    """Run fn(*args) on lazy copies and on CPU; compare; assert each op in `ops` was lowered."""
+def check(fn, *args, ops=(), rtol=1e-4, atol=1e-5, expected_warning=None):
+    """Run fn(*args) on lazy copies and on CPU; compare; assert each op in `ops` was lowered.
+
+    `expected_warning`: a message regex PyTorch itself warns with for these inputs (allowed).
+    """
     expected = fn(*args)
     metrics.reset()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a rule failing while lowering warns: make it fail the test
+        if expected_warning:
+            warnings.filterwarnings("ignore", message=expected_warning)
         got = _cpu(fn(*[_lazy(a) for a in args]))
     torch.testing.assert_close(got, expected, rtol=rtol, atol=atol, equal_nan=True)
     eager = [n for n in metrics.counter_names() if n.startswith("aten::")]
@@ -47,7 +52,9 @@ def check(fn, *args, ops=(), rtol=1e-4, atol=1e-5):
 
 
 def _decomposes(name):
-    return torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{name.split('.')[0]}", "CompositeImplicitAutograd")
+    base, _, overload = name.partition(".")
+    qualified = f"aten::{base}" if overload in ("", "default") else f"aten::{base}.{overload}"
+    return torch._C._dispatch_has_kernel_for_dispatch_key(qualified, "CompositeImplicitAutograd")
 
 
 def rnd(*shape, dtype=torch.float32):

@@ -21,7 +21,8 @@ def _matmul(a, b):
     if b.dim() == 2:
         # Fold a's batch dims into its rows, as ATen does: one mm, instead of a bmm on b
         # broadcast to every batch entry (whose gradient then sums all those copies).
-        return torch.mm(a.reshape(-1, a.shape[-1]), b).reshape(*a.shape[:-1], b.shape[-1])
+        # The row count is spelled out: -1 is ambiguous when a's inner dim is 0.
+        return torch.mm(a.reshape(a.shape[:-1].numel(), a.shape[-1]), b).reshape(*a.shape[:-1], b.shape[-1])
     batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     n = batch.numel()  # not -1: ambiguous when a matrix dim is 0
     a3 = a.expand(*batch, *a.shape[-2:]).reshape(n, *a.shape[-2:])

@@ -416,7 +416,7 @@ def scatter_back(func, spec, base, new):
 
 
 def _split_views(func, args, kwargs):
-    """split/split_with_sizes/unbind return views; express each as slice/select so writes work."""
+    """split/split_with_sizes/tensor_split/unbind return views; express each as slice/select so writes work."""
     self = args[0]
     name = op_name(func)
     if name == "unbind.int":
@@ -427,6 +427,11 @@ def _split_views(func, args, kwargs):
     if name in ("split.Tensor", "unsafe_split.Tensor"):
         step = args[1]
         sizes = [min(step, size - s) for s in range(0, size, step)] if size else [0]
+    elif name == "tensor_split.sections":  # the first size % n parts get one element more
+        n = args[1]
+        if n <= 0:
+            raise RuntimeError(f"number of sections must be larger than 0, got {n}")
+        sizes = [size // n + (i < size % n) for i in range(n)]
     else:
         sizes = list(args[1])
         if sum(sizes) != size:
@@ -765,6 +770,7 @@ DECOMPS.update({
     aten._safe_softmax.default: _safe_softmax,
 })
 HANDLERS[aten.unsafe_split.Tensor] = _split_views
+HANDLERS[aten.tensor_split.sections] = _split_views
 HANDLERS[aten.unsafe_split_with_sizes.default] = _split_views
 
 

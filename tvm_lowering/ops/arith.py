@@ -3,6 +3,8 @@
 Each rule here replaces a TVM rule that computed something else (found by the
 OpInfo conformance run), delegating to TVM where its rule is right.
 """
+import math
+
 import torch
 from tvm import relax, te, tirx
 
@@ -92,8 +94,15 @@ def _binary(imp, node):
     if compute in _NARROW:
         compute = "int32"
     bb = imp.block_builder
+    if name == "div.Tensor" and not hasattr(node.args[1], "meta") and node.args[1] == 0 \
+            and compute.startswith("float"):
+        # TVM's constant folder rejects a division by the constant 0; x * (+-inf) is the same
+        # IEEE result (+-inf, or NaN for 0 and NaN), as in a mean over no elements.
+        name, node_args = "mul.Tensor", (node.args[0], math.copysign(math.inf, node.args[1]))
+    else:
+        node_args = node.args
     operands = []
-    for a in node.args:
+    for a in node_args:
         if hasattr(a, "meta"):
             x = imp.env[a]
             operands.append(x if str(x.ty.dtype) == compute else bb.emit(relax.op.astype(x, compute)))

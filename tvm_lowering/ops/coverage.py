@@ -6,6 +6,7 @@ import numpy as np
 from tvm import relax
 
 from . import rule
+from .corners import first_extreme_index
 from .nn import arg, cast, dtype, emit, env, out_meta, shape
 
 
@@ -173,8 +174,7 @@ def max_dim(imp, node):
         return emit(imp, relax.Tuple([x, relax.const(0, "int64")]))
     axis = arg(node, 1, "dim") % nd
     data = cast(imp, x, "int8") if dtype(x) == "bool" else x
-    fn = relax.op.argmax if node.target.__name__.startswith("max") else relax.op.argmin
-    idx = cast(imp, emit(imp, fn(data, axis=axis, keepdims=True)), "int64")
+    idx = first_extreme_index(imp, data, axis, True, largest=node.target.__name__.startswith("max"))
     values = emit(imp, relax.op.gather_elements(x, idx, axis=axis))
     if not keepdim:
         idx = emit(imp, relax.op.squeeze(idx, axis=[axis]))
@@ -214,16 +214,30 @@ def gather(imp, node):
 @rule("linalg_vector_norm.default")
 def vector_norm(imp, node):
     """ord 0 counts non-zeros (TVM's rule divides by it); a 0-dim norm is |x| (TVM's sums over a
-    dim it lacks); other cases are TVM's."""
+    dim it lacks); norms over every dim are computed here (TVM's rule reads an empty dim list as
+    no dims); other cases are TVM's."""
     x = env(imp, node.args[0])
     nd = len(shape(x))
     order = float(arg(node, 1, "ord", 2))
-    if order != 0 and nd:
+    dims = arg(node, 2, "dim", None)
+    every = dims is None or (not isinstance(dims, int) and len(dims) == 0)
+    if order != 0 and nd and not every:
         return imp.tvm_rules["linalg_vector_norm.default"](node)
     _, dt = out_meta(node)
-    if order != 0:
-        return cast(imp, emit(imp, relax.op.abs(x)), dt)
-    dims = arg(node, 2, "dim", None)
-    axes = None if dims is None or not nd else [d % nd for d in ([dims] if isinstance(dims, int) else dims)]
-    nonzero = emit(imp, relax.op.astype(relax.op.not_equal(x, relax.const(0, dtype(x))), dt))
-    return nonzero if not nd else emit(imp, relax.op.sum(nonzero, axis=axes, keepdims=arg(node, 3, "keepdim", False)))
+    if not nd:
+        return cast(imp, emit(imp, relax.op.abs(x) if order else relax.op.not_equal(x, relax.const(0, dtype(x)))), dt)
+    axes = None if every else [d % nd for d in ([dims] if isinstance(dims, int) else dims)]
+    keepdim = arg(node, 3, "keepdim", False)
+    if order == 0:
+        nonzero = emit(imp, relax.op.astype(relax.op.not_equal(x, relax.const(0, dtype(x))), dt))
+        return emit(imp, relax.op.sum(nonzero, axis=axes, keepdims=keepdim))
+    a = emit(imp, relax.op.abs(cast(imp, x, dt)))
+    if order in (np.inf, -np.inf):
+        return emit(imp, (relax.op.max if order > 0 else relax.op.min)(a, axis=axes, keepdims=keepdim))
+    if order == 1:
+        return emit(imp, relax.op.sum(a, axis=axes, keepdims=keepdim))
+    if order == 2:
+        return emit(imp, relax.op.sqrt(relax.op.sum(relax.op.multiply(a, a), axis=axes, keepdims=keepdim)))
+    p = relax.const(order, dt)
+    total = emit(imp, relax.op.sum(relax.op.power(a, p), axis=axes, keepdims=keepdim))
+    return emit(imp, relax.op.power(total, relax.const(1.0 / order, dt)))
