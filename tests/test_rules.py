@@ -47,7 +47,9 @@ def check(fn, *args, ops=(), rtol=1e-4, atol=1e-5):
 
 
 def _decomposes(name):
-    return torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{name.split('.')[0]}", "CompositeImplicitAutograd")
+    base, _, overload = name.partition(".")
+    qualified = f"aten::{base}" if overload in ("", "default") else f"aten::{name}"  # "default" is implicit
+    return torch._C._dispatch_has_kernel_for_dispatch_key(qualified, "CompositeImplicitAutograd")
 
 
 def rnd(*shape, dtype=torch.float32):

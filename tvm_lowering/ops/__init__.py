@@ -25,5 +25,5 @@ def rule(*names, wraps=False):
     return register
 
 
-from . import arith, backward, coverage, nn, random, script, views, library  # noqa: E402,F401  (registration side effects)
+from . import arith, backward, coverage, indexing, nn, random, script, views, library  # noqa: E402,F401  (registration side effects)
 # library must come last: its rules wrap the ones registered before it
