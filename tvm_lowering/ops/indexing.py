@@ -404,3 +404,16 @@ def nll_loss2d_forward(imp, node):
     if reduction == 0:
         out = emit(imp, relax.op.reshape(out, [xs[0], xs[2], xs[3]]))
     return emit(imp, relax.Tuple([out, total]))
+
+
+@rule("index_select.default")
+def index_select(imp, node):
+    """A 0-dim input is its own selection, and a 0-dim index keeps its dim (size 1); TVM's rule
+    takes neither (index_reduce's gradient on a 0-dim tensor reaches it)."""
+    x, index = env(imp, node.args[0]), env(imp, node.args[2])
+    if not shape(x):
+        return x
+    if shape(index):
+        return imp.tvm_rules["index_select.default"](node)
+    index = emit(imp, relax.op.reshape(index, [1]))
+    return emit(imp, relax.op.take(x, index, axis=node.args[1] % len(shape(x))))
