@@ -7,6 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import ratex.lazy_tensor_core.core.lazy_model as lm
+import tvm_lowering
+from ratex.core import graph, sync
 from test_rules import check
 
 aten = torch.ops.aten
@@ -35,16 +38,23 @@ def test_scatter_reduce_every_mode_with_and_without_self():
     check(fn, x, index, src, ops=["scatter_reduce.two"])
 
 
-def test_scatter_reduce_narrow_index_and_integers():
+def test_scatter_narrow_index_and_integers():
     """An index narrower than self after the scattered dim (TVM's scatter_elements misplaced those
-    writes) and src wider than the index; integer means round down."""
+    writes, also for scatter and scatter_add) and src wider than the index; integer means round
+    down; bool tensors scatter too."""
     x, src = torch.randn(4, 5, 6), torch.randn(3, 3, 5)
     index = torch.randint(0, 4, (3, 2, 4))
     xi, si = torch.randint(-5, 5, (6, 3)), torch.randint(-9, 9, (4, 3))
     ii = torch.randint(0, 6, (4, 3))
-    check(lambda a, i, s, b, j, t: [a.scatter_reduce(0, i, s, "mean", include_self=False), a.scatter_reduce(0, i, s, "amax")]
-          + [b.scatter_reduce(0, j, t, mode) for mode in MODES],
-          x, index, src, xi, ii, si, ops=["scatter_reduce.two"])
+    flags = torch.zeros(4, 5, 6, dtype=torch.bool)
+
+    def fn(a, i, s, b, j, t, f):
+        return ([a.scatter_reduce(0, i, s, "mean", include_self=False), a.scatter_reduce(0, i, s, "amax"),
+                 a.scatter_add(0, i, s), a.scatter(0, i, s), f.scatter(0, i, s > 0), f.scatter(0, i, True)]
+                + [b.scatter_reduce(0, j, t, mode) for mode in MODES])
+
+    check(fn, x, index, src, xi, ii, si, flags,
+          ops=["scatter_reduce.two", "scatter_add.default", "scatter.src", "scatter.value"])
 
 
 def test_index_reduce_and_scatter_with_reduce():
@@ -132,3 +142,20 @@ def test_group_norm_and_spatial_nll():
         return out
 
     check(fn, x, target, weight, ops=["native_group_norm.default", "nll_loss2d_forward.default"])
+
+
+def test_host_loop_kernels_only_in_cpu_builds():
+    """A module not built for the CPU (CUDA) gets no host-loop kernels: cummax falls back to PyTorch,
+    scatter_add over an index spanning self uses TVM's portable scatter_elements."""
+    x = torch.randn(6, 5).to("lazy")
+    index = torch.randint(0, 6, (4, 5)).to("lazy")
+    for fn, portable in ((lambda: torch.cummax(x, 0), False), (lambda: x.scatter_add(0, index, x[:4]), True)):
+        out = fn()  # noqa: F841 - kept alive: its pending value is the graph's root
+        fx = graph.to_fx(graph.cut([st.value for st in sync.pending_storages()]))
+        assert "scatter_elements" not in str(tvm_lowering.import_graph(fx, host_kernels=True))  # ratex's loops
+        if portable:
+            assert "scatter_elements" in str(tvm_lowering.import_graph(fx))
+        else:
+            with pytest.raises(tvm_lowering.LoweringError, match="only a CPU kernel"):
+                tvm_lowering.import_graph(fx)
+        lm.mark_step()

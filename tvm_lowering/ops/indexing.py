@@ -20,6 +20,16 @@ def _is_float(dt):
     return dt.startswith("float") or dt.startswith("bfloat")
 
 
+def _emit_host_kernel(imp, name, fn, *args):
+    """emit_te of a kernel written as host loops (te.extern): only where the module is built for the CPU.
+
+    Elsewhere the node falls back to PyTorch (a CUDA build would run these loops on the host).
+    """
+    if not imp.host_kernels:
+        raise NotImplementedError(f"{name} has only a CPU kernel")
+    return emit_te(imp, fn, *args)
+
+
 def _unravel(flat, sizes):
     """Coordinates of a row-major flat position over `sizes`."""
     coords = []
@@ -87,8 +97,10 @@ def _scatter_te(x, index, src, axis, reduce, include_self):
     return te.extern([x.shape], [x, index, src], gen, dtype=dt, name=f"scatter_{reduce}")
 
 
-def _scatter(imp, x, axis, index, src, reduce, include_self=True):
-    """x scattered into by src at index along axis (any ranks, 0-dim included), reduced by `reduce`.
+def scatter_into(imp, x, axis, index, src, reduce, include_self=True):
+    """x (not 0-dim) scattered into by src at index along axis, reduced by `reduce`
+    ("update", "sum", "prod", "mean", "amax", "amin"); index may be narrower than x and src
+    wider than index on any dim.
 
     mean is the sum divided by how many values met at each element (x counting as one
     with include_self); integer means round down, as PyTorch's do.
@@ -96,14 +108,23 @@ def _scatter(imp, x, axis, index, src, reduce, include_self=True):
     xs, ishape = shape(x), shape(index)
     if 0 in ishape:
         return x
-    if dtype(x) == "bool" or not xs:
-        raise NotImplementedError(f"scatter reduction '{reduce}' on a bool or 0-dim tensor")
+    if dtype(x) == "bool" and reduce != "update":
+        raise NotImplementedError(f"scatter reduction '{reduce}' of a bool tensor")
     src = cast(imp, src, dtype(x))
+    off_axis = [n for d, n in enumerate(xs) if d != axis]
+    spans_x = off_axis == [n for d, n in enumerate(ishape) if d != axis]
+    if not imp.host_kernels and reduce in ("update", "sum") and spans_x:
+        # TVM's scatter_elements has a GPU kernel, and is right where index spans x off the axis.
+        if shape(src) != ishape:
+            src = emit(imp, relax.op.strided_slice(src, list(range(len(ishape))), [0] * len(ishape), ishape))
+        reduction = "add" if reduce == "sum" else "update"
+        return emit(imp, relax.op.scatter_elements(x, cast(imp, index, "int64"), src, axis=axis, reduction=reduction))
     if reduce != "mean":
-        return emit_te(imp, _scatter_te, x, index, src, axis, reduce, include_self)
-    total = emit_te(imp, _scatter_te, x, index, src, axis, "sum", include_self)
+        return _emit_host_kernel(imp, f"scatter '{reduce}'", _scatter_te, x, index, src, axis, reduce, include_self)
+    total = _emit_host_kernel(imp, "scatter 'mean'", _scatter_te, x, index, src, axis, "sum", include_self)
     ones = emit(imp, relax.op.ones(relax.ShapeExpr(xs), dtype(x)))
-    count = emit_te(imp, _scatter_te, ones, index, emit(imp, relax.op.ones_like(src)), axis, "sum", include_self)
+    ones_src = emit(imp, relax.op.ones_like(src))
+    count = _emit_host_kernel(imp, "scatter 'mean'", _scatter_te, ones, index, ones_src, axis, "sum", include_self)
     count = emit(imp, relax.op.maximum(count, relax.const(1, dtype(x))))  # nothing met x here: x / 1
     divide = relax.op.divide if _is_float(dtype(x)) else relax.op.floor_divide
     return emit(imp, divide(total, count))
@@ -123,7 +144,7 @@ def scatter_reduce(imp, node):
     x0 = env(imp, node.args[0])
     x, index, src = _as_vector(imp, x0, env(imp, node.args[2]), env(imp, node.args[3]))
     axis = arg(node, 1, "dim") % len(shape(x))
-    out = _scatter(imp, x, axis, index, src, arg(node, 4, "reduce"), arg(node, 5, "include_self", True))
+    out = scatter_into(imp, x, axis, index, src, arg(node, 4, "reduce"), arg(node, 5, "include_self", True))
     return _reshaped_like(imp, out, x0)
 
 
@@ -137,7 +158,7 @@ def scatter_with_reduce(imp, node):
     else:
         (src,) = _as_vector(imp, env(imp, node.args[3]))
     reduce = {"add": "sum", "multiply": "prod"}[arg(node, 4, "reduce")]
-    out = _scatter(imp, x, arg(node, 1, "dim") % len(shape(x)), index, src, reduce)
+    out = scatter_into(imp, x, arg(node, 1, "dim") % len(shape(x)), index, src, reduce)
     return _reshaped_like(imp, out, x0)
 
 
@@ -150,7 +171,7 @@ def index_reduce(imp, node):
     ss = shape(src)
     index = emit(imp, relax.op.reshape(index, [1] * axis + [-1] + [1] * (len(ss) - axis - 1)))
     index = emit(imp, relax.op.broadcast_to(index, ss))
-    out = _scatter(imp, x, axis, index, src, arg(node, 4, "reduce"), arg(node, 5, "include_self", True))
+    out = scatter_into(imp, x, axis, index, src, arg(node, 4, "reduce"), arg(node, 5, "include_self", True))
     return _reshaped_like(imp, out, x0)
 
 
@@ -176,7 +197,7 @@ def put(imp, node):
     x = env(imp, node.args[0])
     index, src = env(imp, node.args[1]), env(imp, node.args[2])
     reduce = "sum" if arg(node, 3, "accumulate", False) else "update"
-    out = _scatter(imp, _flat(imp, x), 0, _flat(imp, index), _flat(imp, src), reduce)
+    out = scatter_into(imp, _flat(imp, x), 0, _flat(imp, index), _flat(imp, src), reduce)
     return emit(imp, relax.op.reshape(out, shape(x)))
 
 
@@ -238,7 +259,8 @@ def cumulative_extreme(imp, node):
             take = tirx.any(tirx.isnan(v), take)
         return tirx.Select(take, v, best), tirx.Select(take, k, where)
 
-    out = emit_te(imp, lambda t: _scan_te(t, step, (dtype(data), "int64"), "cummax" if largest else "cummin"), data)
+    name = "cummax" if largest else "cummin"
+    out = _emit_host_kernel(imp, name, lambda t: _scan_te(t, step, (dtype(data), "int64"), name), data)
     values = cast(imp, emit(imp, relax.TupleGetItem(out, 0)), dt)
     indices = emit(imp, relax.TupleGetItem(out, 1))
     return emit(imp, relax.Tuple([emit(imp, relax.op.reshape(t, xs)) for t in (values, indices)]))
@@ -267,7 +289,8 @@ def logcumsumexp(imp, node):
     def step(v, k, prev):
         return (v,) if prev is None else (_log_add_exp(prev[0], v),)
 
-    out = emit_te(imp, lambda t: _scan_te(t, step, ("float64",), "logcumsumexp"), data)  # one output: a tensor
+    # One output: the extern returns a tensor, not a tuple.
+    out = _emit_host_kernel(imp, "logcumsumexp", lambda t: _scan_te(t, step, ("float64",), "logcumsumexp"), data)
     return cast(imp, emit(imp, relax.op.reshape(out, shape(x))), dt)
 
 
@@ -363,7 +386,7 @@ def adaptive_max_pool_backward(imp, node):
     flat = [planes, math.prod(xs[-nd:])]
     grads = emit(imp, relax.op.reshape(grad, [planes, math.prod(gs[-nd:])]))
     where = emit(imp, relax.op.reshape(indices, [planes, math.prod(gs[-nd:])]))
-    out = _scatter(imp, zeros(imp, flat, dtype(grad)), 1, where, grads, "sum")
+    out = scatter_into(imp, zeros(imp, flat, dtype(grad)), 1, where, grads, "sum")
     return emit(imp, relax.op.reshape(out, xs))
 
 
