@@ -1,9 +1,11 @@
 """Scatter reductions, flat take/put, running extremes and adaptive pools, following PyTorch's CPU kernels.
 
-The scatter kernels are TIR loops rather than TVM's `scatter_elements`: that one
-has no mean, lets NaN lose a max/min, starts every reduction from the input
-(no `include_self=False`) and misplaces writes when the index is narrower than
-the input on a dim after the scattered one.
+The scatters and scans are TIR loops run on the host rather than TVM's
+`scatter_elements`, which has no mean, lets NaN lose a max/min, starts every
+reduction from the input (no `include_self=False`) and misplaces writes when the
+index is narrower than the input off the scattered dim. Host loops suit CPU
+builds only (`imp.host_kernels`); elsewhere update/add scatters that TVM gets
+right keep its GPU kernel and the rest fall back to PyTorch.
 """
 import math
 
