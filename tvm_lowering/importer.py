@@ -29,6 +29,9 @@ class Importer(ExportedProgramImporter):
     """TVM's ATen importer with ratex's rules layered on top."""
 
     library = False  # dispatch heavy ops to the kernel library (see ops/library.py)
+    # The module is built for the CPU: rules may emit TIR loops that run on the host (ops/indexing.py's
+    # serial scatters and scans), which a CUDA build would leave on the host, reading device memory.
+    host_kernels = False
 
     def create_convert_map(self):
         table = super().create_convert_map()
@@ -84,14 +87,16 @@ def _check(node: fx.Node, expr: relax.Expr):
             raise LoweringError(node, f"rule produced {g}, PyTorch says {w}")
 
 
-def import_graph(graph: fx.Graph, name: str = "main", library: bool = False) -> IRModule:
+def import_graph(graph: fx.Graph, name: str = "main", library: bool = False, host_kernels: bool = False) -> IRModule:
     """Return an IRModule whose `name` function computes `graph`'s outputs as a tuple.
 
     With `library`, matmul and convolution become calls to the `ratex.lib.*`
-    kernel library instead of TVM-generated code.
+    kernel library instead of TVM-generated code. `host_kernels` says the module
+    will be built for the CPU (see Importer.host_kernels).
     """
     imp = Importer()
     imp.library = library
+    imp.host_kernels = host_kernels
     bb = relax.BlockBuilder()
     imp.block_builder = bb
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]

@@ -108,7 +108,7 @@ def _compile(graph: Graph, donate: tuple) -> Program:
     be = backend()
     with metrics.timed("LowerTime"):
         library = use_library(be.target.kind)
-        mod = tvm_lowering.import_graph(to_fx(graph), library=library)
+        mod = tvm_lowering.import_graph(to_fx(graph), library=library, host_kernels=be.target.kind == "CPU")
     cache = _disk_cache()
     name = _entry_name(cache, cache_key(graph, donate)) if cache is not None else None
     dev = be.target.device()

@@ -280,38 +280,35 @@ def avg_pool2d_backward(imp, node):
     return emit_te(imp, _avg_pool_bwd_te, g, H, W, kernel, stride, padding, ceil_mode, cip, divisor)
 
 
-def _adaptive_avg_bwd_te(g, H, W):
-    *lead, Ho, Wo = g.shape
-    Ho, Wo = int(Ho), int(Wo)
+def _adaptive_avg_bwd_te(g, in_sizes):
+    """Each input element gets g / window size from every output window covering it (over the last
+    len(in_sizes) dims; window o spans [floor(o * in / out), ceil((o + 1) * in / out)))."""
+    nd = len(in_sizes)
+    out_sizes = [int(s) for s in g.shape[-nd:]]
     dt = str(g.dtype)
-    rh = te.reduce_axis((0, Ho), name="oh")
-    rw = te.reduce_axis((0, Wo), name="ow")
-
-    def start(o, insz, outsz):
-        return tirx.floordiv(o * insz, outsz)
-
-    def end(o, insz, outsz):
-        return tirx.floordiv((o + 1) * insz + outsz - 1, outsz)
+    axes = [te.reduce_axis((0, m), name=f"o{i}") for i, m in enumerate(out_sizes)]
 
     def body(*idx):
-        lead_idx, h, w = idx[:-2], idx[-2], idx[-1]
-        hs, he = start(rh, H, Ho), end(rh, H, Ho)
-        ws, we = start(rw, W, Wo), end(rw, W, Wo)
-        inside = tirx.all(hs <= h, h < he, ws <= w, w < we)
-        area = ((he - hs) * (we - ws)).astype(dt)
+        lead_idx, pos = idx[:-nd], idx[-nd:]
+        starts = [tirx.floordiv(o * n, m) for o, n, m in zip(axes, in_sizes, out_sizes)]
+        ends = [tirx.floordiv((o + 1) * n + m - 1, m) for o, n, m in zip(axes, in_sizes, out_sizes)]
+        inside = tirx.all(*[tirx.all(s <= p, p < e) for s, p, e in zip(starts, pos, ends)])
+        area = ends[0] - starts[0]
+        for s, e in zip(starts[1:], ends[1:]):
+            area = area * (e - s)
         return te.sum(
-            tirx.if_then_else(inside, g[(*lead_idx, rh, rw)] / area, tirx.const(0, dt)), axis=[rh, rw]
+            tirx.if_then_else(inside, g[(*lead_idx, *axes)] / area.astype(dt), tirx.const(0, dt)), axis=axes
         )
 
-    return te.compute((*lead, H, W), body, name="adaptive_avg_pool2d_backward")
+    return te.compute((*g.shape[:-nd], *in_sizes), body, name=f"adaptive_avg_pool{nd}d_backward")
 
 
-@rule("_adaptive_avg_pool2d_backward.default")
-def adaptive_avg_pool2d_backward(imp, node):
+@rule("_adaptive_avg_pool2d_backward.default", "_adaptive_avg_pool3d_backward.default")
+def adaptive_avg_pool_backward(imp, node):
     g = env(imp, node.args[0])
     x = env(imp, node.args[1])
-    H, W = shape(x)[-2:]
-    return emit_te(imp, _adaptive_avg_bwd_te, g, H, W)
+    nd = 3 if node.target.__name__.startswith("_adaptive_avg_pool3d") else 2
+    return emit_te(imp, _adaptive_avg_bwd_te, g, shape(x)[-nd:])
 
 
 # ---- normalization ---------------------------------------------------------------------------

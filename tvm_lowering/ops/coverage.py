@@ -7,6 +7,7 @@ from tvm import relax
 
 from . import rule
 from .corners import first_extreme_index
+from .indexing import scatter_into
 from .nn import arg, cast, dtype, emit, env, out_meta, shape
 
 
@@ -198,8 +199,8 @@ def scatter(imp, node):
             src = emit(imp, relax.op.strided_slice(src, list(range(len(ishape))), [0] * len(ishape), ishape))
     if not xs:  # a 0-dim tensor: the only position is written
         return emit(imp, relax.op.reshape(cast(imp, src, dtype(x)), []))
-    axis = arg(node, 1, "dim") % len(xs)
-    return emit(imp, relax.op.scatter_elements(x, cast(imp, index, "int64"), cast(imp, src, dtype(x)), axis=axis))
+    # Not TVM's scatter_elements: it misplaces writes where index is narrower than x.
+    return scatter_into(imp, x, arg(node, 1, "dim") % len(xs), index, src, "update")
 
 
 @rule("gather.default")

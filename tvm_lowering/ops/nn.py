@@ -99,22 +99,15 @@ def pair(v, n=2):
 
 
 # ---- max_pool2d_with_indices ---------------------------------------------------------
-def _maxpool_te(x, kernel, stride, padding, dilation, out_hw):
-    """Values and int64 flat indices (h*W+w) of a 2-D max pool over the last two dims.
+def torch_argmax(dt):
+    """(reducer, padding) for PyTorch's CPU max-pool window scan, over (int64 index, value) pairs.
 
-    Matches PyTorch's CPU kernel, which scans each window in row-major order and
-    replaces the current max only by a strictly greater value or a NaN: ties go
-    to the smallest index, NaN beats everything and among NaNs the last one wins.
-    That is a total order on (value, index), so an argmax reducer gives the
-    same answer in any reduction order. Padding reads as (-inf, huge index).
+    PyTorch scans each window in row-major order and replaces the current max only by
+    a strictly greater value or a NaN: ties go to the smallest index, NaN beats
+    everything and among NaNs the last one wins. That is a total order on (value,
+    index), so the reducer gives the same answer in any reduction order. `padding`
+    is the (index, value) pair a position outside the input reads as: (huge, -inf).
     """
-    *lead, H, W = x.shape
-    kh, kw = kernel
-    sh, sw = stride
-    ph, pw = padding
-    dh, dw = dilation
-    Ho, Wo = out_hw
-    dt = str(x.dtype)
     is_float = dt.startswith("float") or dt.startswith("bfloat")
     ninf = tirx.const(-np.inf, dt) if is_float else tirx.min_value(dt)
     big = tirx.const(np.iinfo(np.int64).max, "int64")
@@ -135,7 +128,18 @@ def _maxpool_te(x, kernel, stride, padding, dilation, out_hw):
     def identity(t0, t1):
         return big, ninf
 
-    argmax = te.comm_reducer(combine, identity, name="torch_argmax")
+    return te.comm_reducer(combine, identity, name="torch_argmax"), (big, ninf)
+
+
+def _maxpool_te(x, kernel, stride, padding, dilation, out_hw):
+    """Values and int64 flat indices (h*W+w) of a 2-D max pool over the last two dims (see torch_argmax)."""
+    *lead, H, W = x.shape
+    kh, kw = kernel
+    sh, sw = stride
+    ph, pw = padding
+    dh, dw = dilation
+    Ho, Wo = out_hw
+    argmax, (big, ninf) = torch_argmax(str(x.dtype))
     ri = te.reduce_axis((0, kh), name="ki")
     rj = te.reduce_axis((0, kw), name="kj")
 
@@ -195,28 +199,30 @@ def nll_pick(imp, node_args, n_classes_axis=1):
     return onehot, w_t
 
 
-@rule("nll_loss_forward.default")
-def nll_loss_forward(imp, node):
-    x = env(imp, node.args[0])
-    target = env(imp, node.args[1])
-    weight = env(imp, arg(node, 2, "weight"))
-    reduction = arg(node, 3, "reduction", 1)
-    ignore_index = arg(node, 4, "ignore_index", -100)
-    if len(shape(x)) > 2:
-        raise NotImplementedError("nll_loss_forward on more than 2 dims")
+def nll_loss(imp, x, target, weight, reduction, ignore_index, total_shape):
+    """(loss, total_weight) of nll_loss on x (N, C) or (C,), the classes on its last dim.
+
+    Unreduced (reduction 0), total_weight is zeros of `total_shape`, as PyTorch leaves it.
+    """
     dt = dtype(x)
     onehot, w_t = nll_pick(imp, (x, target, weight, ignore_index))
     picked = emit(imp, relax.op.sum(relax.op.multiply(x, onehot), axis=[-1]))
     losses = emit(imp, relax.op.negative(relax.op.multiply(picked, w_t)))
     total = emit(imp, relax.op.sum(w_t))
     if reduction == 0:
-        out = losses
-        tw_shape, _ = out_meta(node, 1)
-        total = zeros(imp, tw_shape, dt)
-    elif reduction == 2:
-        out = emit(imp, relax.op.sum(losses))
-    else:
-        out = emit(imp, relax.op.divide(relax.op.sum(losses), total))
+        return losses, zeros(imp, total_shape, dt)
+    if reduction == 2:
+        return emit(imp, relax.op.sum(losses)), total
+    return emit(imp, relax.op.divide(relax.op.sum(losses), total)), total
+
+
+@rule("nll_loss_forward.default")
+def nll_loss_forward(imp, node):
+    x = env(imp, node.args[0])
+    if len(shape(x)) > 2:
+        raise NotImplementedError("nll_loss_forward on more than 2 dims")
+    out, total = nll_loss(imp, x, env(imp, node.args[1]), env(imp, arg(node, 2, "weight")), arg(node, 3, "reduction", 1),
+                          arg(node, 4, "ignore_index", -100), out_meta(node, 1)[0])
     return emit(imp, relax.Tuple([out, total]))
 
 

@@ -2,6 +2,7 @@
 from tvm import relax, te, tirx
 
 from . import rule
+from .indexing import scatter_into
 from .nn import arg, emit, emit_te, env, out_meta, shape, zeros
 
 
@@ -121,15 +122,11 @@ def scatter_add(imp, node):
     dim = arg(node, 1, "dim") % max(len(shape(x)), 1)
     index = env(imp, node.args[2])
     src = env(imp, node.args[3])
-    ishape, sshape = shape(index), shape(src)
+    ishape = shape(index)
     if 0 in ishape:
         return x
     if not shape(x):  # 0-dim: the one index names the one element; src's first element is added
         first = emit(imp, relax.op.strided_slice(emit(imp, relax.op.reshape(src, [-1])), [0], [0], [1]))
         return emit(imp, relax.op.add(x, relax.op.reshape(first, [])))
-    if ishape != sshape:  # PyTorch reads only the index-shaped corner of src
-        src = emit(
-            imp,
-            relax.op.strided_slice(src, list(range(len(ishape))), [0] * len(ishape), ishape),
-        )
-    return emit(imp, relax.op.scatter_elements(x, index, src, axis=dim, reduction="add"))
+    # Not TVM's scatter_elements: it misplaces writes where index is narrower than x.
+    return scatter_into(imp, x, dim, index, src, "sum")
