@@ -220,15 +220,6 @@ def clamp(imp, node):
 
 
 # ---- indexing and joining ---------------------------------------------------------------------
-@rule("index_select.default")
-def index_select(imp, node):
-    """A 0-dim input has one element, which the (single, zero) index picks."""
-    x = env(imp, node.args[0])
-    if shape(x):
-        return imp.tvm_rules["index_select.default"](node)
-    return emit(imp, relax.op.broadcast_to(x, out_meta(node)[0]))
-
-
 @rule("cat.default")
 def cat(imp, node):
     """Inputs without elements add nothing and may be 1-D (0,) whatever the others' rank, as

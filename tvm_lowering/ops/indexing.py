@@ -433,11 +433,12 @@ def nll_loss2d_forward(imp, node):
 
 @rule("index_select.default")
 def index_select(imp, node):
-    """A 0-dim input is its own selection, and a 0-dim index keeps its dim (size 1); TVM's rule
-    takes neither (index_reduce's gradient on a 0-dim tensor reaches it)."""
+    """A 0-dim input has one element, which the (single, zero) index picks, and a 0-dim index
+    keeps its dim (size 1); TVM's rule takes neither (index_reduce's gradient on a 0-dim tensor
+    reaches it)."""
     x, index = env(imp, node.args[0]), env(imp, node.args[2])
     if not shape(x):
-        return x
+        return emit(imp, relax.op.broadcast_to(x, out_meta(node)[0]))
     if shape(index):
         return imp.tvm_rules["index_select.default"](node)
     index = emit(imp, relax.op.reshape(index, [1]))
