@@ -136,3 +136,17 @@ def test_torch_lazy_step_api_drives_ratex(dev):
     torch._lazy.wait_device_ops()
     assert metrics.counter_value("MarkStep") == 1
     torch.testing.assert_close(y.cpu(), torch.full((2,), 3.0))
+
+
+def test_signed_zero_and_nan_scalars_in_the_compile_cache(dev):
+    """-0.0 == 0.0 (same hash) and NaN != NaN: a cached program must not be reused across the
+    sign of a zero, and a NaN argument must hit the cache rather than compile every time."""
+    aten = torch.ops.aten
+    x = torch.tensor([1.0, -2.0])
+    for divisor in (0.0, -0.0, 0.0):
+        got = aten.div.Scalar(x.to(dev), divisor).cpu()
+        assert torch.equal(got, aten.div.Scalar(x, divisor)), (divisor, got)
+    metrics.reset()
+    for _ in range(3):
+        assert torch.isnan(torch.full((2,), float("nan"), device=dev).cpu()).all()
+    assert metrics.counter_value("UncachedCompile") in (None, 1)

@@ -8,6 +8,7 @@ structural identity (op, non-tensor arguments, output metas); the graph key
 adds how nodes connect. Once a node's outputs are computed they are kept in
 `results` and it stops holding on to its inputs.
 """
+import math
 from typing import NamedTuple
 
 import torch
@@ -95,8 +96,38 @@ def op_name(op) -> str:
 ATOMS = frozenset((int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout))
 
 
+class _NegativeZero:
+    """Stands for -0.0 in argument templates. -0.0 == 0.0 and both hash alike, so a
+    program compiled for `x / 0.0` would otherwise be reused for `x / -0.0`."""
+
+    __slots__ = ()
+
+    def __repr__(self):
+        return "-0.0"
+
+    def __reduce__(self):
+        return (_negative_zero, ())
+
+
+def _negative_zero():
+    return NEG_ZERO
+
+
+NEG_ZERO = _NegativeZero()
+NAN = float("nan")  # the one NaN in templates: fresh NaN objects compare unequal, and no key would ever hit
+
+
+def float_atom(x: float):
+    """A template's stand-in for the float `x`: x itself, except -0.0 and NaN (see above)."""
+    if x == 0.0:
+        return NEG_ZERO if math.copysign(1.0, x) < 0 else x
+    return NAN if x != x else x
+
+
 def template(obj, tensors: list, is_tensor):
     """Return a hashable copy of `obj` with each tensor replaced by a Slot into `tensors`."""
+    if type(obj) is float:
+        return float_atom(obj)
     if type(obj) in ATOMS:
         return obj
     if is_tensor(obj):
@@ -114,6 +145,8 @@ def fill(spec, values: list):
     """Inverse of `template`: rebuild the arguments with `values[i]` for each Slot(i)."""
     if type(spec) is Slot:
         return values[spec.i]
+    if spec is NEG_ZERO:
+        return -0.0
     if isinstance(spec, tuple):
         if spec and spec[0] == "__list__":
             return [fill(x, values) for x in spec[1]]

@@ -95,6 +95,8 @@ _ATOMS = ir.ATOMS
 def _tmpl(x, found):
     """`ir.template` for one argument, specialised for the hot path."""
     t = type(x)
+    if t is float:
+        return ir.float_atom(x)
     if t in _ATOMS:
         return x
     if t is list or t is tuple:
