@@ -151,21 +151,22 @@ def _wrap(node, out):
 
 # ---- functional ops ----------------------------------------------------------
 def _functional(func, args, kwargs):
+    given = func, args  # what the fallbacks below run: the call as made, before any lifting
     if func in _LIFT:
         func, args = _lift_scalar(func, args)
     spec, values, metas = _collect(func, args, kwargs)
     try:
         out = shape.infer(func, spec, metas)
     except shape.NoMeta:
-        return _decomposed_or_eager(func, args, kwargs, None)
+        return _decomposed_or_eager(*given, kwargs, None)
     if _all_empty(out):
         return _empty_outputs(out)
     counter = _lowered_counter(func)
     if counter is None:
-        return _decomposed_or_eager(func, args, kwargs, out)
+        return _decomposed_or_eager(*given, kwargs, out)
     node = Node(func, spec, tuple(values), out.metas, multi=out.kind != "tensor")
     if sync.unlowerable and node.key in sync.unlowerable:
-        return eager(func, args, kwargs)
+        return eager(*given, kwargs)
     metrics.counter_inc(counter)
     return _wrap(node, out)
 
@@ -244,31 +245,42 @@ def _lift_scalar(func, args):
         and args[0].dtype.is_floating_point
     if not (_liftable(args[1]) or zero_times_float):
         return func, args
-    dtype = _float_scalar_dtype(args[0])
-    scalar = tensor.LazyTensor.from_cpu(torch.tensor(args[1], dtype=dtype), adopt=True)
-    return _LIFT[func], (args[0], scalar) + tuple(args[2:])
+    return _LIFT[func], (args[0], _scalar_input(args[1], _float_scalar_dtype(args[0]))) + tuple(args[2:])
+
+
+def _scalar_input(value, dtype):
+    """A Python scalar as a 0-dim device-data input (an IR value: no LazyTensor to build)."""
+    metrics.counter_inc("DeviceDataTransfer")
+    data = tensor.backend().adopt(torch.tensor(value, dtype=dtype))
+    return _V((Node.leaf(data, ir.Meta((), dtype)), 0))
 
 
 # ---- decompositions -----------------------------------------------------------
+# These run inside __torch_dispatch__, below autograd: their ops go to `dispatch` directly
+# rather than through torch's dispatcher again (a round trip of about 8 us per op).
+def _call(op, *args, **kwargs):
+    return dispatch(op, args, kwargs)
+
+
 def _add_alpha(func):
     def decomp(a, b, *, alpha=1):
         if alpha == 1 or not isinstance(b, torch.Tensor):
             return NotImplemented
-        return func(a, aten.mul.Tensor(b, alpha))
+        return _call(func, a, _call(aten.mul.Tensor, b, alpha))
 
     return decomp
 
 
 def _addcmul(self, t1, t2, *, value=1):
-    return aten.add.Tensor(self, aten.mul.Tensor(aten.mul.Tensor(t1, value), t2))
+    return _call(aten.add.Tensor, self, _call(aten.mul.Tensor, _call(aten.mul.Tensor, t1, value), t2))
 
 
 def _addcdiv(self, t1, t2, *, value=1):
-    return aten.add.Tensor(self, aten.mul.Tensor(aten.div.Tensor(t1, t2), value))
+    return _call(aten.add.Tensor, self, _call(aten.mul.Tensor, _call(aten.div.Tensor, t1, t2), value))
 
 
 def _lerp_scalar(self, end, weight):
-    return aten.add.Tensor(self, aten.mul.Tensor(aten.sub.Tensor(end, self), weight))
+    return _call(aten.add.Tensor, self, _call(aten.mul.Tensor, _call(aten.sub.Tensor, end, self), weight))
 
 
 def _rsub_scalar(self, other, alpha=1):
@@ -503,15 +515,23 @@ def _mutating(func, args, kwargs):
     if fop.is_view:  # t_, transpose_, unsqueeze_, ...: the tensor becomes a new view of its storage
         target._assume(dispatch(fop, args, kwargs))
         return target
-    spec, _, metas = _collect(func, args, kwargs)
-    try:
-        shape.infer(func, spec, metas)  # PyTorch's own checks for the in-place form
-    except shape.NoMeta:
-        return eager(func, args, kwargs)
     fkwargs = {k: v for k, v in kwargs.items() if k != key} if kind == "kw" else kwargs
     result = dispatch(fop, args, fkwargs)
+    if not _fits(result, target):  # PyTorch's own checks and errors for the in-place form
+        spec, _, metas = _collect(func, args, kwargs)
+        try:
+            shape.infer(func, spec, metas)
+        except shape.NoMeta:
+            return eager(func, args, kwargs)
     assign(target, result)
     return target
+
+
+def _fits(result, target) -> bool:
+    """Whether `result` can be written into `target` as is: same shape and dtype, and no
+    element of target aliases another (an expanded tensor, stride 0)."""
+    return isinstance(result, tensor.LazyTensor) and result._sig[0] == target._sig[0] \
+        and result.dtype == target.dtype and 0 not in target._sig[1]
 
 
 def assign(target, result):
