@@ -14,7 +14,7 @@ from tvm import IRModule, relax
 from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
 
 from . import dtypes
-from .ops import RULES
+from .ops import RULES, TIR_RULES
 
 
 class LoweringError(RuntimeError):
@@ -33,13 +33,19 @@ class Importer(ExportedProgramImporter):
     # serial scatters and scans), which a CUDA build would leave on the host, reading device memory.
     host_kernels = False
 
+    def __init__(self, differentiable=False):
+        # The graph is a jit.script forward that Relax's Gradient will differentiate:
+        # TVM's Relax-op rules win over ratex's TIR-kernel ones (ops.TIR_RULES).
+        self.differentiable = differentiable
+        super().__init__()
+
     def create_convert_map(self):
         table = super().create_convert_map()
         self.tvm_rules = dict(table)
         for name, fn in RULES.items():
             if fn is None:
                 table.pop(name, None)
-            else:
+            elif not (self.differentiable and name in TIR_RULES and name in self.tvm_rules):
                 table[name] = functools.partial(fn, self)
         return table
 
@@ -87,14 +93,16 @@ def _check(node: fx.Node, expr: relax.Expr):
             raise LoweringError(node, f"rule produced {g}, PyTorch says {w}")
 
 
-def import_graph(graph: fx.Graph, name: str = "main", library: bool = False, host_kernels: bool = False) -> IRModule:
+def import_graph(graph: fx.Graph, name: str = "main", library: bool = False, host_kernels: bool = False,
+                 differentiable: bool = False) -> IRModule:
     """Return an IRModule whose `name` function computes `graph`'s outputs as a tuple.
 
     With `library`, matmul and convolution become calls to the `ratex.lib.*`
     kernel library instead of TVM-generated code. `host_kernels` says the module
-    will be built for the CPU (see Importer.host_kernels).
+    will be built for the CPU (see Importer.host_kernels); `differentiable`, that
+    Relax's Gradient will differentiate it (see Importer.__init__).
     """
-    imp = Importer()
+    imp = Importer(differentiable)
     imp.library = library
     imp.host_kernels = host_kernels
     bb = relax.BlockBuilder()

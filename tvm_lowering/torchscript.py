@@ -419,7 +419,7 @@ def convert(graph, input_metas, attr_metas, diff_inputs=(), diff_attrs=None) -> 
     out_metas, out_spec = conv.run()
     fxg = conv.g
     fxg.lint()
-    mod = import_graph(fxg, name="fwd")
+    mod = import_graph(fxg, name="fwd", differentiable=True)
     fwd = mod["fwd"]
     n_in = conv.n_inputs
     diff = [i for i in diff_inputs if input_metas[i][1].is_floating_point]

@@ -5,14 +5,19 @@ A rule is `fn(importer, node) -> relax.Expr`, registered by ATen overload name
 precedence over the ones inherited from `tvm.relax.frontend.torch`.
 """
 RULES = {}
+TIR_RULES = set()  # names whose rule emits a call_tir (see `rule`)
 
 
-def rule(*names, wraps=False):
+def rule(*names, wraps=False, tir=False):
     """Register `fn` as the lowering rule of each ATen overload in `names`.
 
     A second rule for the same overload is an error unless it says `wraps=True`
     (it calls the one it replaces, as the library rules do): two modules
     silently shadowing each other is how a fix gets lost.
+
+    `tir=True` says the rule emits its own TIR kernel (call_tir) in place of a TVM
+    rule made of Relax ops. Relax's Gradient cannot differentiate a call_tir, so the
+    forward of a `ratex.jit.script` (differentiated inside TVM) keeps TVM's rule for it.
     """
 
     def register(fn):
@@ -20,6 +25,8 @@ def rule(*names, wraps=False):
             if name in RULES and not wraps:
                 raise ValueError(f"a lowering rule for {name} is already registered ({RULES[name]})")
             RULES[name] = fn
+        if tir:
+            TIR_RULES.update(names)
         return fn
 
     return register

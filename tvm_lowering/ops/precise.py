@@ -11,7 +11,7 @@ pre-activations), so the rules below keep PyTorch's relative accuracy there
   expm1   in float64: a Taylor polynomial for |x| < 1e-3, exp(x) - 1 above
   atanh   0.5 * log1p(2x / (1 - x))
   tanh    its odd Taylor polynomial for |x| < 0.01, TVM's tanh above
-  elu     scale * x for x > 0, alpha * scale * expm1(input_scale * x) below
+  elu     scale * x for x > 0, alpha * scale * expm1(input_scale * x) below (selu too)
 """
 from tvm import relax, te, tirx
 
@@ -55,27 +55,51 @@ def _tanh(x):
     return tirx.Select(tirx.abs(x) < tirx.const(0.01, dt), series, tirx.tanh(x))
 
 
-def _unary(name, fn):
+def _unary(name, fn, relax_form=None):
+    """Rule computing `fn` elementwise; in a jit.script forward `relax_form` (Relax ops that
+    Relax's Gradient can differentiate) where given."""
     def lower(imp, node):
         x = env(imp, node.args[0])
         _, out_dtype = out_meta(node)
         if str(x.ty.dtype) != out_dtype:  # integer inputs compute in the float result dtype
             x = imp.block_builder.emit(relax.op.astype(x, out_dtype))
+        if imp.differentiable and relax_form is not None:
+            return imp.block_builder.emit(relax_form(x, lambda v: relax.const(v, out_dtype)))
         return emit_te(imp, lambda t: te.compute(t.shape, lambda *i: fn(t(*i)), name=name), x)
 
     return lower
 
 
-rule("expm1.default")(_unary("expm1", expm1_expr))
-rule("atanh.default")(_unary("atanh", _atanh))
-rule("tanh.default")(_unary("tanh", _tanh))
+def _atanh_relax(x, c):  # relax.atanh has no gradient
+    return relax.op.multiply(c(0.5), relax.op.log(relax.op.divide(relax.op.add(c(1.0), x), relax.op.subtract(c(1.0), x))))
+
+
+rule("expm1.default", tir=True)(_unary("expm1", expm1_expr))
+rule("atanh.default")(_unary("atanh", _atanh, _atanh_relax))
+rule("tanh.default", tir=True)(_unary("tanh", _tanh))
 
 
 @rule("elu.default")
 def elu(imp, node):
-    """elu(x, alpha, scale, input_scale) as ATen defines it (TVM's rule drops the scales, which breaks selu)."""
-    x = env(imp, node.args[0])
-    alpha, scale, input_scale = (float(arg(node, i, n, 1.0)) for i, n in ((1, "alpha"), (2, "scale"), (3, "input_scale")))
+    """elu(x, alpha, scale, input_scale) as ATen defines it (TVM's rule drops the scales)."""
+    scales = (float(arg(node, i, n, 1.0)) for i, n in ((1, "alpha"), (2, "scale"), (3, "input_scale")))
+    return _elu(imp, env(imp, node.args[0]), *scales)
+
+
+@rule("selu.default")
+def selu(imp, node):
+    """selu is elu with fixed alpha and scale (TVM's relax.nn.selu has no gradient for jit.script)."""
+    return _elu(imp, env(imp, node.args[0]), 1.6732632423543772, 1.0507009873554805, 1.0)
+
+
+def _elu(imp, x, alpha, scale, input_scale):
+    """scale * x for x > 0, alpha * scale * expm1(input_scale * x) below. In a jit.script forward
+    it is made of Relax ops, which Relax's Gradient can differentiate, with exp(x) - 1 for expm1."""
+    if imp.differentiable:
+        dt = str(x.ty.dtype)
+        c = lambda v: relax.const(v, dt)  # noqa: E731
+        neg = relax.op.multiply(c(alpha * scale), relax.op.subtract(relax.op.exp(relax.op.multiply(x, c(input_scale))), c(1.0)))
+        return imp.block_builder.emit(relax.op.where(relax.op.greater(x, c(0.0)), relax.op.multiply(x, c(scale)), neg))
 
     def compute(t):
         def at(*i):

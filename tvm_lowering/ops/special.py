@@ -77,7 +77,7 @@ def exp2(imp, node):
     return _elementwise(imp, node, tirx.exp2, _float_compute(node))
 
 
-@rule("log1p.default")
+@rule("log1p.default", tir=True)
 def log1p(imp, node):
     """The C library's log1p: TVM's rule is log(1 + x), which loses all of a small x (log_ndtr
     of large x is log1p of a tiny number)."""
