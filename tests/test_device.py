@@ -150,3 +150,15 @@ def test_signed_zero_and_nan_scalars_in_the_compile_cache(dev):
     for _ in range(3):
         assert torch.isnan(torch.full((2,), float("nan"), device=dev).cpu()).all()
     assert metrics.counter_value("UncachedCompile") in (None, 1)
+
+
+def test_ops_with_value_dependent_shapes_or_new_metadata_run_on_cpu(dev):
+    """repeat_interleave with a tensor of repeats (its size depends on the values) and resize_
+    (it changes the tensor's shape) fall back to CPU PyTorch instead of raising."""
+    x, reps = torch.arange(6.0).reshape(2, 3), torch.tensor([1, 3])
+    got = torch.repeat_interleave(x.to(dev), reps.to(dev), dim=0)
+    assert torch.equal(got.cpu(), torch.repeat_interleave(x, reps, dim=0))
+    y = torch.arange(125.0).reshape(5, 5, 5)
+    yl = y.to(dev)
+    yl.resize_(25, 5)
+    assert yl.shape == (25, 5) and torch.equal(yl.cpu(), y.clone().resize_(25, 5))

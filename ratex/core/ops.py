@@ -520,9 +520,11 @@ def _mutating(func, args, kwargs):
     if not _fits(result, target):  # PyTorch's own checks and errors for the in-place form
         spec, _, metas = _collect(func, args, kwargs)
         try:
-            shape.infer(func, spec, metas)
+            out = shape.infer(func, spec, metas)
         except shape.NoMeta:
             return eager(func, args, kwargs)
+        if out.metas and out.metas[0] is not None and out.metas[0].shape != target._sig[0]:
+            return eager(func, args, kwargs)  # it changes the tensor's shape (resize_): PyTorch does that
     assign(target, result)
     return target
 
