@@ -50,18 +50,24 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module")
-def drawn():
-    """Every case drawn on the lazy device in one step, and on CPU PyTorch."""
+def draw_all(draws):
+    """{name: draw(device)} drawn on the lazy device in one step and on CPU PyTorch:
+    (lazy results, CPU results, (eager-fallback counters, programs compiled))."""
     torch.manual_seed(0)
     sync.reset_cache()
     metrics.reset()
-    lazy = {name: draw(LAZY) for name, (draw, _) in CASES.items()}
+    lazy = {name: draw(LAZY) for name, draw in draws.items()}
     lm.mark_step()
     fallbacks = [c for c in metrics.counter_names() if c.startswith("aten::")]
     compiles = metrics.counter_value("UncachedCompile")
-    return {name: t.cpu() for name, t in lazy.items()}, {name: draw("cpu") for name, (draw, _) in CASES.items()}, (
+    return {name: t.cpu() for name, t in lazy.items()}, {name: draw("cpu") for name, draw in draws.items()}, (
         fallbacks, compiles)
+
+
+@pytest.fixture(scope="module")
+def drawn():
+    """Every case drawn on the lazy device in one step, and on CPU PyTorch."""
+    return draw_all({name: draw for name, (draw, _) in CASES.items()})
 
 
 def test_random_ops_record_into_one_program(drawn):

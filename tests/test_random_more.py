@@ -15,6 +15,7 @@ import torch.nn.functional as F
 import ratex.lazy_tensor_core.core.lazy_model as lm
 from ratex.core import random, sync
 from ratex.lazy_tensor_core.debug import metrics
+from test_random import draw_all
 
 aten = torch.ops.aten
 LAZY = torch.device("lazy", 0)
@@ -71,15 +72,7 @@ CASES = {
 @pytest.fixture(scope="module")
 def drawn():
     """Every case drawn on the lazy device in one step, and on CPU PyTorch."""
-    torch.manual_seed(0)
-    sync.reset_cache()
-    metrics.reset()
-    lazy = {name: case[0](LAZY) for name, case in CASES.items()}
-    lm.mark_step()
-    fallbacks = [c for c in metrics.counter_names() if c.startswith("aten::")]
-    compiles = metrics.counter_value("UncachedCompile")
-    return {n: t.cpu() for n, t in lazy.items()}, {n: case[0]("cpu") for n, case in CASES.items()}, (
-        fallbacks, compiles)
+    return draw_all({name: case[0] for name, case in CASES.items()})
 
 
 def test_random_ops_record_into_one_program(drawn):

@@ -229,16 +229,23 @@ def _torch_checks(inplace_op, a, *names):
     inplace_op(torch.empty(0, dtype=a["self"].dtype), *[a[n] for n in names])
 
 
-def _uniform(a):
-    x = a["self"]
-    _torch_checks(aten.uniform_.default, a, "from", "to")
-    return uniform(_seed(a), x.shape, x.dtype, a["from"], a["to"])
+def _filler(dist, inplace_op, *names):
+    """The handler of an in-place random fill and its functional form: `dist` drawn over
+    self's shape and dtype with the arguments `names`, after PyTorch's own checks of them."""
+    def draw(a):
+        x = a["self"]
+        _torch_checks(inplace_op, a, *names)
+        return dist(_seed(a), x.shape, x.dtype, *[a[n] for n in names])
+
+    return draw
 
 
-def _normal_(a):
-    x = a["self"]
-    _torch_checks(aten.normal_.default, a, "mean", "std")
-    return normal(_seed(a), x.shape, x.dtype, a["mean"], a["std"])
+_uniform = _filler(uniform, aten.uniform_.default, "from", "to")
+_normal_ = _filler(normal, aten.normal_.default, "mean", "std")
+_exponential = _filler(exponential, aten.exponential_.default, "lambd")
+_log_normal = _filler(log_normal, aten.log_normal_.default, "mean", "std")
+_cauchy = _filler(cauchy, aten.cauchy_.default, "median", "sigma")
+_geometric_fill = _filler(geometric, aten.geometric_.default, "p")
 
 
 def _normal_tensors(a):
@@ -250,30 +257,10 @@ def _normal_tensors(a):
     return normal(_seed(a), size, like.dtype, mean, std)
 
 
-def _exponential(a):
-    x = a["self"]
-    _torch_checks(aten.exponential_.default, a, "lambd")
-    return exponential(_seed(a), x.shape, x.dtype, a["lambd"])
-
-
-def _log_normal(a):
-    x = a["self"]
-    _torch_checks(aten.log_normal_.default, a, "mean", "std")
-    return log_normal(_seed(a), x.shape, x.dtype, a["mean"], a["std"])
-
-
-def _cauchy(a):
-    x = a["self"]
-    _torch_checks(aten.cauchy_.default, a, "median", "sigma")
-    return cauchy(_seed(a), x.shape, x.dtype, a["median"], a["sigma"])
-
-
 def _geometric(a):
-    x = a["self"]
-    if x.dtype == torch.bool:
+    if a["self"].dtype == torch.bool:
         return NotImplemented  # PyTorch's error
-    _torch_checks(aten.geometric_.default, a, "p")
-    return geometric(_seed(a), x.shape, x.dtype, a["p"])
+    return _geometric_fill(a)
 
 
 def _bernoulli(a):
