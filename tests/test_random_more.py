@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import ratex.lazy_tensor_core.core.lazy_model as lm
 from ratex.core import random, sync
 from ratex.lazy_tensor_core.debug import metrics
-from test_random import draw_all
+from test_random import assert_same_distribution, draw_all
 
 aten = torch.ops.aten
 LAZY = torch.device("lazy", 0)
@@ -83,18 +83,8 @@ def test_random_ops_record_into_one_program(drawn):
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_distribution_matches_pytorch(drawn, name):
-    got, want = drawn[0][name], drawn[1][name]
-    assert got.dtype == want.dtype and got.shape == want.shape
     _, support, comparable = CASES[name]
-    g, w = got.double(), want.double()
-    if support is not None:
-        assert bool(support(w).all()), "the support check is wrong for PyTorch itself"
-        assert bool(support(g).all()), f"values outside the support: {g[~support(g)][:5]}"
-    if comparable is not None:
-        g, w = comparable(g), comparable(w)
-    tol = 0.03 * w.std().item() + 1e-3  # about 5 standard errors of either statistic at n = 1e5
-    assert abs(g.mean().item() - w.mean().item()) < tol, (g.mean(), w.mean())
-    assert abs(g.std().item() - w.std().item()) < tol, (g.std(), w.std())
+    assert_same_distribution(drawn[0][name], drawn[1][name], support, comparable)
 
 
 def test_first_draw_of_multinomial_without_replacement_follows_the_probabilities(drawn):
