@@ -34,7 +34,7 @@ import torch
 from tvm import relax, te, tirx
 
 from . import rule
-from .nn import emit, emit_te, env, out_meta, shape
+from .nn import cast, emit, emit_te, env, out_meta, shape
 
 _F64 = "float64"
 _INF = float("inf")
@@ -262,11 +262,20 @@ def bessel(nu, scaled, float32_exp):
 
 
 # ---- rules -----------------------------------------------------------------------------------
+# The kernels bind values with tirx.Let, and TVM's bfloat16 legalization miscomputes a Let
+# whose value reads a bfloat16 tensor (lgamma of a bfloat16 input was off by 1e5). So the
+# inputs are cast to float64 by Relax, and the kernel is marked opaque (op_pattern 8) so
+# that FuseOps does not fuse that cast, or any bfloat16 producer, back into it. 16-bit
+# results are stored as float64 and cast by Relax after the kernel, for the same reason.
+_OPAQUE = {"op_pattern": 8}
+
+
 def _elementwise(imp, node, name, fn, *args):
     """fn(*float64 variables) at each element of `args` (tensors, broadcast to the output's
     shape, or numbers), cast to the output's dtype."""
-    out_shape, out_dtype = out_meta(node)
-    tensors = [env(imp, a) for a in args if isinstance(a, torch.fx.Node)]
+    out_shape, result_dtype = out_meta(node)
+    out_dtype = result_dtype if result_dtype in ("float32", _F64) else _F64
+    tensors = [cast(imp, env(imp, a), _F64) for a in args if isinstance(a, torch.fx.Node)]
     tensors = [x if shape(x) == out_shape else emit(imp, relax.op.broadcast_to(x, out_shape)) for x in tensors]
 
     def bind(values, bound=()):
@@ -277,12 +286,12 @@ def _elementwise(imp, node, name, fn, *args):
     def kernel(*placeholders):
         def at(*i):
             loads = iter(placeholders)
-            values = [next(loads)(*i).astype(_F64) if isinstance(a, torch.fx.Node) else _c(float(a)) for a in args]
+            values = [next(loads)(*i) if isinstance(a, torch.fx.Node) else _c(float(a)) for a in args]
             return bind(values).astype(out_dtype)
 
         return te.compute(out_shape, at, name=name)
 
-    return emit_te(imp, kernel, *tensors)
+    return cast(imp, emit_te(imp, kernel, *tensors, primfunc_attrs=_OPAQUE), result_dtype)
 
 
 @rule("lgamma.default")
