@@ -34,7 +34,7 @@ import torch
 from tvm import relax, te, tirx
 
 from . import rule
-from .nn import cast, emit, emit_te, env, out_meta, shape
+from .nn import cast, emit, emit_te, env, horner, out_meta, shape
 
 _F64 = "float64"
 _INF = float("inf")
@@ -92,14 +92,6 @@ def _select(cond, a, b):
     return tirx.Select(cond, as_expr(a), as_expr(b))
 
 
-def _poly(t, coeffs):
-    """coeffs[0] + coeffs[1] t + coeffs[2] t^2 + ... (Horner)."""
-    acc = _c(coeffs[-1])
-    for c in reversed(coeffs[:-1]):
-        acc = acc * t + c
-    return acc
-
-
 def _is_nonpositive_integer(x):
     return tirx.all(x <= 0.0, tirx.floor(x) == x)
 
@@ -122,7 +114,7 @@ def _lgamma_positive(y):
     def at(z, stepped):
         def stirling(w):
             return ((z - 0.5) * (tirx.log(z) - 1.0) + (0.5 * math.log(2 * math.pi) - 0.5)
-                    + w * _poly(w * w, _STIRLING))
+                    + w * horner(w * w, _STIRLING))
 
         return _let("w", 1.0 / z, stirling) - tirx.log(math.prod(stepped(lambda t: t, 1.0)))
 
@@ -143,7 +135,7 @@ def _digamma_positive(y):
     """digamma(y), y > 0: the asymptotic series at z = y + k, less 1/y + ... + 1/(y+k-1)."""
     def at(z, stepped):
         def series(w):
-            return tirx.log(z) - 0.5 * w - w * w * _poly(w * w, _DIGAMMA)
+            return tirx.log(z) - 0.5 * w - w * w * horner(w * w, _DIGAMMA)
 
         return _let("w", 1.0 / z, series) - sum(stepped(lambda t: 1.0 / t, 0.0))
 
@@ -240,7 +232,7 @@ def _bessel_scaled(nu, ax):
         return acc * tirx.exp(-ax) * (ax * 0.5 if nu else 1.0)
 
     def asymptotic(t):
-        return _poly(t, _BESSEL_ASYMPTOTIC[nu]) / tirx.sqrt((2 * math.pi) * ax)
+        return horner(t, _BESSEL_ASYMPTOTIC[nu]) / tirx.sqrt((2 * math.pi) * ax)
 
     return tirx.if_then_else(ax <= _BESSEL_SERIES_MAX, _let("y", ax * ax * 0.25, series), _let("t", 1.0 / ax, asymptotic))
 

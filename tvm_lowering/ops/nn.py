@@ -61,6 +61,15 @@ def scalar(v, dt):
     return relax.const(v, dt)
 
 
+def horner(x, coeffs):
+    """coeffs[0] + coeffs[1] x + coeffs[2] x^2 + ... for a TIR expression `x`, in x's dtype."""
+    dt = str(x.ty)
+    acc = tirx.const(coeffs[-1], dt)
+    for c in reversed(coeffs[:-1]):
+        acc = acc * x + tirx.const(c, dt)
+    return acc
+
+
 def cast(imp, x, dt):
     return x if dtype(x) == dt else emit(imp, relax.op.astype(x, dt))
 

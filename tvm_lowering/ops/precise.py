@@ -16,19 +16,11 @@ pre-activations), so the rules below keep PyTorch's relative accuracy there
 from tvm import relax, te, tirx
 
 from . import rule
-from .nn import arg, env, emit_te, out_meta
+from .nn import arg, emit_te, env, horner, out_meta
 
 
 def _f64(x):
     return x if str(x.ty) == "float64" else x.astype("float64")
-
-
-def _poly(x, coefs):
-    """coefs[0] + coefs[1] x + ... by Horner's rule."""
-    acc = tirx.const(coefs[-1], str(x.ty))
-    for c in reversed(coefs[:-1]):
-        acc = acc * x + tirx.const(c, str(x.ty))
-    return acc
 
 
 # No tirx.Let below (TVM's bfloat16 legalization miscomputes one over a fused bfloat16
@@ -37,7 +29,7 @@ def expm1_expr(x):
     """exp(x) - 1 for a TIR float expression, accurate relative to the result near 0."""
     d = _f64(x)
     # x (1 + x/2 + x^2/6 + x^3/24 + x^4/120): the first omitted term is below 2e-18 relative
-    series = d * _poly(d, [1.0, 1 / 2, 1 / 6, 1 / 24, 1 / 120])
+    series = d * horner(d, [1.0, 1 / 2, 1 / 6, 1 / 24, 1 / 120])
     value = tirx.Select(tirx.abs(d) < tirx.const(1e-3, "float64"), series, tirx.exp(d) - tirx.const(1.0, "float64"))
     return value.astype(str(x.ty))
 
@@ -51,7 +43,7 @@ def _atanh(x):
 def _tanh(x):
     dt = str(x.ty)
     # x - x^3/3 + 2x^5/15 - 17x^7/315: the first omitted term is below 1e-17 relative at 0.01
-    series = x * _poly(x * x, [1.0, -1 / 3, 2 / 15, -17 / 315])
+    series = x * horner(x * x, [1.0, -1 / 3, 2 / 15, -17 / 315])
     return tirx.Select(tirx.abs(x) < tirx.const(0.01, dt), series, tirx.tanh(x))
 
 
