@@ -73,9 +73,12 @@ def _alias_sets(func, mod) -> dict:
     return sets
 
 
+_LIBRARY_CALLS = ("call_pure_packed", "call_dps_packed")
+
+
 def _is_library_call(value) -> bool:
     """A call of the kernel library (ratex/core/kernels.py), whose results are always new tensors."""
-    if not isinstance(value, relax.Call) or not value.op.same_as(tvm.ir.Op.get("relax.call_pure_packed")):
+    if not isinstance(value, relax.Call) or not any(value.op.same_as(tvm.ir.Op.get(f"relax.{op}")) for op in _LIBRARY_CALLS):
         return False
     fn = value.args[0]
     return isinstance(fn, relax.ExternFunc) and str(fn.global_symbol).startswith("ratex.lib.")

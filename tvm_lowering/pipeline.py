@@ -78,9 +78,11 @@ def _stages(target: Target, donate=(), donated=None, kernel_pass=None) -> list:
 def _passes(target: Target, library: bool, donate=(), donated=None, kernel_pass=None) -> list:
     # CSE removes the forward that a script's backward recomputes; DCE what nothing reads.
     # fold_transposes composes the t(t(x)) chains autograd leaves (simplify.py).
-    cleanup = [relax.transform.EliminateCommonSubexpr(), fold_transposes, relax.transform.DeadCodeElimination()]
+    # The library dispatch folds transposes into matmul calls: DCE drops the transposes after it.
+    cleanup = [relax.transform.EliminateCommonSubexpr(), fold_transposes]
     if library:
         cleanup.append(library_dispatch)
+    cleanup.append(relax.transform.DeadCodeElimination())
     return cleanup + _stages(target, donate, donated, kernel_pass)
 
 

@@ -1,11 +1,13 @@
 """The `ratex.lib.*` kernel library: PyTorch's own CPU kernels, called from compiled programs.
 
-tvm_lowering/ops/library.py emits `call_pure_packed("ratex.lib.<op>", ...)`
-for matmul and convolution; these functions receive TVM tensors, view them as
-torch tensors through DLPack (no copies), run ATen's kernel and hand the result
-back the same way. Transposed operands arrive untransposed with a flag and are
-passed as strided views. Every result is a new tensor, never an input or a view
-of one: buffer donation (tvm_lowering/inplace.py) relies on that.
+tvm_lowering/ops/library.py and library_dispatch.py emit calls of these
+functions for matmul, convolution and a few other ops; they receive TVM
+tensors, view them as torch tensors through DLPack (no copies) and run ATen's
+kernel. The `*_out` ones are destination-passing (`call_dps_packed`): they write
+into an output the program allocated and planned, so a large result costs no
+fresh allocation. The others hand back a new tensor the same way, never an input
+or a view of one: buffer donation (tvm_lowering/inplace.py) relies on that.
+Transposed operands arrive untransposed with a flag and are passed as strided views.
 """
 import functools
 import json
@@ -30,19 +32,21 @@ def _out(t):
     return tvm.runtime.from_dlpack(t.contiguous())
 
 
-def _mm(a, b, attrs):
+def _mm_out(a, b, attrs, out):
     cfg = _attrs(attrs)
-    return _out(torch.mm(_t(a, cfg["ta"]), _t(b, cfg["tb"])))
+    torch.mm(_t(a, cfg["ta"]), _t(b, cfg["tb"]), out=torch.from_dlpack(out))
 
 
-def _addmm(bias, a, b, attrs):
+def _addmm_out(bias, a, b, attrs, out):
     cfg = _attrs(attrs)
-    out = torch.addmm(torch.from_dlpack(bias), _t(a, cfg["ta"]), _t(b, cfg["tb"]), beta=cfg["beta"], alpha=cfg["alpha"])
-    return _out(out)
+    torch.addmm(
+        torch.from_dlpack(bias), _t(a, cfg["ta"]), _t(b, cfg["tb"]), beta=cfg["beta"], alpha=cfg["alpha"],
+        out=torch.from_dlpack(out),
+    )
 
 
-def _bmm(a, b, attrs):
-    return _out(torch.bmm(torch.from_dlpack(a), torch.from_dlpack(b)))
+def _bmm_out(a, b, _attrs_text, out):
+    torch.bmm(torch.from_dlpack(a), torch.from_dlpack(b), out=torch.from_dlpack(out))
 
 
 def _convolution(*args):
@@ -106,8 +110,10 @@ def _avg_pool2d_backward(dy, x, attrs):
     return _out(out)
 
 
-def _matmul(a, b):
-    return _out(torch.matmul(torch.from_dlpack(a), torch.from_dlpack(b)))
+def _matmul_out(a, b, attrs, out):
+    cfg = _attrs(attrs)
+    a, b = torch.from_dlpack(a), torch.from_dlpack(b)
+    torch.matmul(a.transpose(-2, -1) if cfg["ta"] else a, b.transpose(-2, -1) if cfg["tb"] else b, out=torch.from_dlpack(out))
 
 
 def _convolution_backward(g, x, w, attrs):
@@ -130,17 +136,35 @@ def _aten_call(attrs: str):
     return op, args, kwargs
 
 
-def _aten(*args):
-    op, template, kwargs = _aten_call(args[-1])
-    tensors = [torch.from_dlpack(x) for x in args[:-1]]
+@functools.lru_cache(maxsize=None)
+def _out_overload(op):
+    """(op's out= overload, the name of its out argument), or (None, None)."""
+    packet = getattr(aten, op._schema.name.split("::")[1])
+    for name in packet.overloads():
+        overload = getattr(packet, name)
+        outs = [a for a in overload._schema.arguments if a.is_out]
+        if len(outs) == 1 and len(overload._schema.arguments) == len(op._schema.arguments) + 1:
+            return overload, outs[0].name
+    return None, None
+
+
+def _aten_out(*args):
+    op, template, kwargs = _aten_call(args[-2])
+    tensors = [torch.from_dlpack(x) for x in args[:-2]]
     call = [tensors[a["tensor"]] if isinstance(a, dict) and "tensor" in a else a for a in template]
-    return _out(op(*call, **kwargs))
+    out = torch.from_dlpack(args[-1])
+    out_op, out_name = _out_overload(op)
+    if out_op is None:
+        out.copy_(op(*call, **kwargs))
+    else:
+        out_op(*call, **kwargs, **{out_name: out})
 
 
 for _name, _fn in {
-    "mm": _mm, "addmm": _addmm, "bmm": _bmm, "convolution": _convolution, "convolution_backward": _convolution_backward,
-    "conv2d": _conv2d, "conv2d_transpose": _conv2d_transpose, "matmul": _matmul,
+    "mm_out": _mm_out, "addmm_out": _addmm_out, "bmm_out": _bmm_out, "matmul_out": _matmul_out, "aten_out": _aten_out,
+    "convolution": _convolution, "convolution_backward": _convolution_backward,
+    "conv2d": _conv2d, "conv2d_transpose": _conv2d_transpose,
     "conv2d_weight_grad": _conv2d_weight_grad, "max_pool2d_backward": _max_pool2d_backward,
-    "avg_pool2d_backward": _avg_pool2d_backward, "aten": _aten,
+    "avg_pool2d_backward": _avg_pool2d_backward,
 }.items():
     tvm.register_global_func(f"ratex.lib.{_name}", _fn, override=True)
