@@ -146,6 +146,9 @@ def test_signed_zero_and_nan_scalars_in_the_compile_cache(dev):
     for divisor in (0.0, -0.0, 0.0):
         got = aten.div.Scalar(x.to(dev), divisor).cpu()
         assert torch.equal(got, aten.div.Scalar(x, divisor)), (divisor, got)
+    for factor in (0.0, -0.0, 0.0):  # lifted to graph inputs, whose data is shared per value
+        got = (x.to(dev) * factor).cpu()
+        assert torch.equal(torch.signbit(got), torch.signbit(x * factor)), (factor, got)
     metrics.reset()
     for _ in range(3):
         assert torch.isnan(torch.full((2,), float("nan"), device=dev).cpu()).all()

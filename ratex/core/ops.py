@@ -249,10 +249,24 @@ def _lift_scalar(func, args):
 
 
 def _scalar_input(value, dtype):
-    """A Python scalar as a 0-dim device-data input (an IR value: no LazyTensor to build)."""
-    metrics.counter_inc("DeviceDataTransfer")
-    data = tensor.backend().adopt(torch.tensor(value, dtype=dtype))
+    """A Python scalar as a 0-dim device-data input (an IR value: no LazyTensor to build).
+
+    The data of each (value, dtype) is made once and shared: programs never write
+    into a leaf that no tensor owns, and an optimizer lifts the same few scalars
+    (lr, momentum) for every parameter of every step (torch.tensor costs ~7 us).
+    """
+    be = tensor.backend()
+    key = (ir.float_atom(value) if type(value) is float else value, dtype, be)  # -0.0 apart from 0.0
+    data = _scalar_data.get(key)
+    if data is None:
+        if len(_scalar_data) >= 1024:  # a schedule that sweeps the lr: keep the dict small
+            _scalar_data.clear()
+        metrics.counter_inc("DeviceDataTransfer")
+        data = _scalar_data[key] = be.adopt(torch.tensor(value, dtype=dtype))
     return _V((Node.leaf(data, ir.Meta((), dtype)), 0))
+
+
+_scalar_data = {}  # (value, dtype, backend) -> device data of the 0-dim tensor
 
 
 # ---- decompositions -----------------------------------------------------------
