@@ -9,6 +9,7 @@ storages the failed step wrote go back to the values they had before it.
 RATEX_ASYNC=0, or `serialize(True)` (the profiler), runs programs inline.
 """
 import atexit
+import collections
 import contextlib
 import os
 import queue
@@ -126,6 +127,13 @@ def serialize(on: bool):
     _serial[0] += 1 if on else -1
 
 
+# Launched jobs not known to be done, oldest first. Tracing may run ahead of execution by
+# this many programs, no more: a loop that traces faster than it executes would otherwise
+# queue steps (and the inputs each one holds) without bound.
+_in_flight = collections.deque()
+MAX_IN_FLIGHT = 2
+
+
 def launch(job):
     global _worker
     if not ASYNC or _serial[0] > 0:
@@ -134,6 +142,9 @@ def launch(job):
     if _worker is None:
         _worker = threading.Thread(target=_work, name="ratex-executor", daemon=True)
         _worker.start()
+    while _in_flight and (_in_flight[0].done.is_set() or len(_in_flight) >= MAX_IN_FLIGHT):
+        _in_flight.popleft().done.wait()
+    _in_flight.append(job)
     _queue.put(job)
 
 
