@@ -61,3 +61,28 @@ def test_execution_error_surfaces_at_next_sync_and_rolls_back(dev, monkeypatch):
     w.mul_(5)
     lm.mark_step()
     torch.testing.assert_close(w.cpu(), torch.full((3,), 5.0))
+
+
+def test_tracing_runs_at_most_one_program_ahead(dev, monkeypatch):
+    """mark_step waits for older programs once MAX_IN_FLIGHT are launched, so a loop that traces
+    faster than it executes does not queue steps (and their inputs) without bound."""
+    from ratex.core import launch
+
+    w = torch.ones(3).to(dev)
+    lm.mark_step()
+    lm.wait_device_ops()
+    run = executor.Program.run
+    most = []
+
+    def slow_run(self, inputs):
+        time.sleep(0.05)
+        return run(self, inputs)
+
+    monkeypatch.setattr(executor.Program, "run", slow_run)
+    for _ in range(6):
+        w.add_(1)
+        lm.mark_step()
+        most.append(sum(not job.done.is_set() for job in launch._in_flight))
+    lm.wait_device_ops()
+    assert max(most) == launch.MAX_IN_FLIGHT, most
+    torch.testing.assert_close(w.cpu(), torch.full((3,), 7.0))
