@@ -28,15 +28,26 @@ draws ratex_lazy's masks, so its loss is checked against ratex_lazy's. A
 ratex_script cell whose model jit.script could not script (it then runs on the
 plain lazy device) is footnoted with ratex's warning.
 
+A step's time runs from its start to the next step's start. Lazy steps (ratex,
+torch._lazy) end with mark_step, which launches the step's program and returns:
+as in a training loop that reads the loss only now and then, the next step's
+Python runs while the program executes (ratex lets tracing run at most one
+program ahead). The first step and the last wait for their programs. With
+--serial every step waits for its program, so a step's time is its tracing,
+mark_step and execution end to end.
+
 Table 2 (ratex cells): tracing cost per ATen op on a cache hit -- the Python
-part of a step (everything before mark_step) divided by the ATen calls that
-reach `ratex.core.ops.dispatch` in one step (nested calls made by ratex's own
-decompositions included; the top-level count is shown too) -- and the shares
-of step time spent tracing, executing (metric 'ExecuteTime') and elsewhere
-(graph cut, cache lookup, data transfer, Python overhead). Execution that a sync
-point inside the step runs (.item(), an op with no lowering that runs eagerly)
-counts as execute, not trace; programs/step and eager-fallback ops/step show
-such steps.
+part of a step before mark_step divided by the ATen calls that reach
+`ratex.core.ops.dispatch` in one step (nested calls made by ratex's own
+decompositions included; the top-level count is shown too) -- and shares of
+step time: tracing and mark_step (graph cut, cache lookup, launch, and waiting
+for the program before the previous one) on the Python thread, and execution
+(metric 'ExecuteTime') on ratex's executor thread. Pipelined, execution overlaps
+the other two, so the shares may add up to more than 100%; the larger of
+(trace + mark_step less its wait) and execute is what bounds the step. Execution
+that a sync point inside the step runs (.item(), an op with no lowering that
+runs eagerly) counts as execute, not trace; programs/step and eager-fallback
+ops/step show such steps.
 
 Threads: every cell runs with --threads (default 1) OpenMP/MKL/TVM threads and
 torch.set_num_threads. On a shared machine, more threads than free cores make
@@ -80,7 +91,7 @@ class _Messages:
         return (str(w.message).strip().splitlines()[0] for w in self.log if str(w.message).strip())
 
 
-def run_cell(model_name, system, steps, warmup, caught=()):
+def run_cell(model_name, system, steps, warmup, caught=(), serial=False):
     """Train one model under one system; return a dict of measurements."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import torch
@@ -103,9 +114,7 @@ def run_cell(model_name, system, steps, warmup, caught=()):
         torch._lazy.ts_backend.init()
         dev = torch.device("lazy")
 
-        def sync():
-            torch._lazy.mark_step()
-            torch._lazy.wait_device_ops()
+        mark, wait = torch._lazy.mark_step, torch._lazy.wait_device_ops
 
     elif system in RATEX:
         import ratex
@@ -115,16 +124,11 @@ def run_cell(model_name, system, steps, warmup, caught=()):
 
         dev = lm.lazy_device()
 
-        def sync():
-            lm.mark_step()
-            lm.wait_device_ops()
-
+        mark, wait = lm.mark_step, lm.wait_device_ops
         counter = _DispatchCounter(rops)
     else:
         dev = torch.device("cpu")
-
-        def sync():
-            pass
+        mark = wait = lambda: None
 
     import faulthandler
 
@@ -160,9 +164,13 @@ def run_cell(model_name, system, steps, warmup, caught=()):
             return {}
         return {k: metrics.counter_value(k) or 0 for k in metrics.counter_names()}
 
-    # times: whole step; traces: up to mark_step, less any execution a sync point
-    # inside the step (.item(), an eager-fallback op) ran there; execs: all execution
-    times, traces, execs = [], [], []
+    # starts: when each step began (a step's time runs to the next one's start); traces: up to
+    # mark_step, less any execution a sync point inside the step (.item(), an eager-fallback op)
+    # ran there; marks: inside mark_step; execs: all execution finished during the step.
+    # Steps are pipelined as in training: mark_step launches the program and returns, and the
+    # next step's Python overlaps it (ratex keeps at most one program queued behind the running
+    # one). The first and last steps wait for their programs; so does every step with --serial.
+    starts, traces, marks, execs = [], [], [], []
     loss = None
     for i in range(steps):
         x, y = batches[i % POOL]
@@ -172,23 +180,27 @@ def run_cell(model_name, system, steps, warmup, caught=()):
             before = counts()
         e0 = exec_total()
         t0 = time.perf_counter()
+        starts.append(t0)
         x, y = x.to(dev), y.to(dev)
         loss = step_fn(x, y)
         t1 = time.perf_counter()
         e1 = exec_total()
-        sync()
+        mark()
         t2 = time.perf_counter()
+        if serial or i == 0 or i == steps - 1:
+            wait()
         if counting:
             counter.uninstall()
             after = counts()
             delta = {k: v - before.get(k, 0) for k, v in after.items()}
             result["programs_per_step"] = delta.get("UncachedCompile", 0) + delta.get("CachedCompile", 0)
             result["fallbacks_per_step"] = sum(v for k, v in delta.items() if k.startswith("aten::"))
-        times.append(t2 - t0)
         traces.append(t1 - t0 - (e1 - e0))
+        marks.append(t2 - t1)
         execs.append(exec_total() - e0)
         if i == 0 and metrics is not None:
             result["first_step_compiles"] = metrics.counter_value("UncachedCompile") or 0
+    times = [b - a for a, b in zip(starts, starts[1:])] + [time.perf_counter() - starts[-1]]
     result["final_loss"] = float(loss.detach().to("cpu").item())
     if system == "ratex_script" and not (metrics.counter_value("ratex::script_fwd.default") or 0):
         result["script_fallback"] = next((w for w in caught if "jit.script" in w), "no script_fwd node recorded")
@@ -204,8 +216,7 @@ def run_cell(model_name, system, steps, warmup, caught=()):
         result["trace_ms"] = trace * 1e3
         result["us_per_op"] = trace * 1e6 / counter.total if counter.total else None
         step_sum = sum(times[timed])
-        tr, ex = sum(traces[timed]) / step_sum, sum(execs[timed]) / step_sum
-        result["share"] = {"trace": tr, "execute": ex, "other": 1.0 - tr - ex}
+        result["share"] = {k: sum(v[timed]) / step_sum for k, v in (("trace", traces), ("mark", marks), ("execute", execs))}
         result["counters"] = {k: metrics.counter_value(k) for k in metrics.counter_names()}
         tuning = metrics.metric_data("TuneTime")  # RATEX_TUNE: seconds spent tuning kernels
         result["tune_s"] = tuning[1] if tuning else 0.0
@@ -246,7 +257,8 @@ def cell_main(args):
     try:
         with warnings.catch_warnings(record=True) as log:
             warnings.simplefilter("default")
-            result = run_cell(args.cell[0], args.cell[1], args.steps, args.warmup, caught=_Messages(log))
+            result = run_cell(args.cell[0], args.cell[1], args.steps, args.warmup, caught=_Messages(log),
+                              serial=args.serial)
     except Exception as exc:  # report, don't crash: the parent prints 'fails'
         import traceback
 
@@ -286,7 +298,7 @@ def spawn(model, system, args):
 
 def _spawn(model, system, args, env):
     cmd = [sys.executable, os.path.abspath(__file__), "--cell", model, system,
-           "--steps", str(args.steps), "--warmup", str(args.warmup)]
+           "--steps", str(args.steps), "--warmup", str(args.warmup)] + (["--serial"] if args.serial else [])
     start = time.time()
     # own process group, so a timeout also ends the cell's helpers (e.g. inductor's compile workers)
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -335,7 +347,7 @@ def combine(runs):
         out["trace_ms"] = statistics.median(r["trace_ms"] for r in ok)
         if out.get("ops_total"):
             out["us_per_op"] = out["trace_ms"] * 1e3 / out["ops_total"]
-        for k in ("trace", "execute", "other"):
+        for k in ("trace", "mark", "execute"):
             out["share"][k] = statistics.median(r["share"][k] for r in ok)
     out["repeats_ok"] = len(ok)
     out["runs"] = runs
@@ -409,14 +421,16 @@ def report(models, systems, cells, args):
             upo = f"{r['us_per_op']:.1f}" if r.get("us_per_op") else "-"
             rows2.append([m, s, f"{r['ops_total']} ({r['ops_top']})", str(r.get("programs_per_step", "")),
                           str(r.get("fallbacks_per_step", "")), f"{r['trace_ms']:.2f}", upo,
-                          f"{sh['trace'] * 100:.0f}%", f"{sh['execute'] * 100:.0f}%", f"{sh['other'] * 100:.0f}%"])
+                          f"{sh['trace'] * 100:.0f}%", f"{sh['mark'] * 100:.0f}%", f"{sh['execute'] * 100:.0f}%"])
     if rows2:
         print()
         print("ratex cells, cache-hit steps: tracing cost and where the step time goes "
-              "(trace ms: median, before mark_step, less execution done by mid-step syncs)")
+              "(trace ms: median, before mark_step, less execution done by mid-step syncs; "
+              "shares of step time: trace and mark_step on the Python thread, execute on the executor thread, "
+              "which overlaps them" + (")" if args.serial else " unless --serial)"))
         print(table(["model", "system", "ATen ops/step (top-level)", "programs/step", "eager-fallback ops/step",
                      "trace ms", "us/op",
-                     "trace", "execute", "other"], rows2))
+                     "trace", "mark_step", "execute"], rows2))
     if footnotes:
         print()
         print("\n".join(footnotes))
@@ -437,6 +451,8 @@ def main():
     p.add_argument("--json", metavar="PATH", help="write every cell's measurements here")
     p.add_argument("--warm-cache", action="store_true", help="keep RATEX_CACHE_DIR (default: disable it)")
     p.add_argument("--verbose", action="store_true", help="print failing cells' stderr")
+    p.add_argument("--serial", action="store_true",
+                   help="wait for each step's program before the next step starts (no overlap of tracing and execution)")
     p.add_argument("--cell", nargs=2, metavar=("MODEL", "SYSTEM"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.steps < args.warmup + 2:
@@ -454,7 +470,9 @@ def main():
           f"{os.cpu_count()} cores ({platform.machine()}), load average {os.getloadavg()[0]:.2f}")
     print(f"{args.steps} steps per cell, median over steps {args.warmup + 1}..{args.steps - 1}, "
           f"{args.repeats} repeat(s), timeout {args.timeout:g} s, "
-          f"{args.threads if args.threads > 0 else 'default'} thread(s) per cell, compile caches "
+          f"{args.threads if args.threads > 0 else 'default'} thread(s) per cell, "
+          + ("serial steps, " if args.serial else "lazy steps pipelined (next step traced while one runs), ")
+          + "compile caches "
           + ("kept" if args.warm_cache else "disabled (RATEX_CACHE_DIR=\"\", fresh inductor cache dir: cold compile)"))
     print(flush=True)
 
