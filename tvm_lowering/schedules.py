@@ -40,7 +40,8 @@ class Injective(CPUScheduleRule):
 
 
 class ColumnReduction(CPUScheduleRule):
-    """A reduction whose input is contiguous along a kept (spatial) axis, e.g. sum(x, dim=0).
+    """A reduction whose inputs are contiguous along a kept (spatial) axis, e.g. sum(x, dim=0)
+    or, with an inlined prologue, sum(a * b, dim=(0, 1)) (layer norm's weight gradient).
 
     Unscheduled, it walks each output's reduced axis with a stride of a whole
     row (64x slower than torch for a 1024x1024 sum). Scheduled: loops become
@@ -73,8 +74,8 @@ class ColumnReduction(CPUScheduleRule):
         if any(str(w.source.dtype) == "bfloat16" for w in stmt.writes):
             return None  # TVM's bfloat16 legalization fails on the vectorized accumulator store
         read = [r for r in stmt.reads if not any(r.source.same_as(w.source) for w in stmt.writes)]
-        if len(read) != 1 or not read[0].region or not read[0].region[-1].min.same_as(spatial[-1]):
-            return None  # the input's contiguous axis is reduced: a row reduction, not ours
+        if not read or any(not r.region or not r.region[-1].min.same_as(spatial[-1]) for r in read):
+            return None  # an input's contiguous axis is reduced: a row reduction, not ours
         loops = sch.get_loops(block)
         s_loops, r_loops = loops[: len(spatial)], loops[len(spatial):]
         extents = [get_extent(sch, loop) for loop in loops]
