@@ -275,6 +275,15 @@ def test_reductions_over_leading_and_trailing_dims(shape, dims):
     check(lambda x: (x.sum(dims), x.mean(dims, keepdim=True), x.amax(dims)), rnd(*shape), ops=["sum.dim_IntList"])
 
 
+def test_bmm_with_transposed_operands():
+    """bmm takes operands transposed in their last two axes as flags (no transpose kernel):
+    either side, both, and a double transpose that cancels."""
+    check(lambda a, b, c: (torch.bmm(a.transpose(1, 2), b), torch.bmm(a, c.transpose(2, 1)),
+                           torch.bmm(c.transpose(1, 2), b.transpose(-1, -2)),
+                           torch.bmm(a.transpose(1, 2).transpose(1, 2), c.transpose(1, 2))),
+          rnd(2, 3, 4), rnd(2, 3, 5), rnd(2, 5, 4), ops=["bmm.default"])
+
+
 def test_column_reduction_of_a_product():
     """layer_norm's weight gradient, sum(g * xhat, dims=(0, 1)), reads two inputs: the column
     schedule takes it (unscheduled, it was 5x slower than torch in the GPT benchmark)."""

@@ -45,8 +45,10 @@ def _addmm_out(bias, a, b, attrs, out):
     )
 
 
-def _bmm_out(a, b, _attrs_text, out):
-    torch.bmm(torch.from_dlpack(a), torch.from_dlpack(b), out=torch.from_dlpack(out))
+def _bmm_out(a, b, attrs, out):
+    cfg = _attrs(attrs)
+    a, b = torch.from_dlpack(a), torch.from_dlpack(b)
+    torch.bmm(a.transpose(1, 2) if cfg["ta"] else a, b.transpose(1, 2) if cfg["tb"] else b, out=torch.from_dlpack(out))
 
 
 def _convolution(*args):
