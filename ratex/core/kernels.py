@@ -8,9 +8,19 @@ into an output the program allocated and planned, so a large result costs no
 fresh allocation. The others hand back a new tensor the same way, never an input
 or a view of one: buffer donation (tvm_lowering/inplace.py) relies on that.
 Transposed operands arrive untransposed with a flag and are passed as strided views.
+
+These Python functions are the fallback: when build/libratex_kernels.so exists
+(csrc/kernels.cc, built by scripts/setup.sh) it replaces them with C++ versions of the
+same names and calling convention. Compiled programs run on the executor thread while
+Python traces the next step, and each Python kernel call has to wait for the GIL
+(LeNet's pipelined steps ran their kernels 2.5x slower); the native ones never take it.
+`RATEX_NATIVE_KERNELS=0` keeps the Python kernels.
 """
+import ctypes
 import functools
 import json
+import os
+from pathlib import Path
 
 import torch
 import tvm
@@ -170,3 +180,30 @@ for _name, _fn in {
     "avg_pool2d_backward": _avg_pool2d_backward,
 }.items():
     tvm.register_global_func(f"ratex.lib.{_name}", _fn, override=True)
+
+
+_NATIVE_PATH = Path(__file__).resolve().parents[2] / "build" / "libratex_kernels.so"
+
+
+def _load_native():
+    """The native kernel library, registered over the Python kernels; None when it is
+    turned off, not built, or built for another torch (its ATen ABI may differ)."""
+    if os.environ.get("RATEX_NATIVE_KERNELS", "1") == "0" or not _NATIVE_PATH.exists():
+        return None
+    try:
+        lib = ctypes.CDLL(str(_NATIVE_PATH))
+    except OSError as e:
+        print(f"ratex: not using the native kernels ({e}); run scripts/setup.sh to rebuild them")
+        return None
+    lib.RatexNativeTorchVersion.restype = ctypes.c_char_p
+    built_for = lib.RatexNativeTorchVersion().decode()
+    if built_for != torch.__version__:
+        print(f"ratex: not using the native kernels (built for torch {built_for}, running {torch.__version__}); "
+              "run scripts/setup.sh to rebuild them")
+        return None
+    if lib.RatexRegisterNativeKernels() != 0:
+        raise RuntimeError(f"registering the native kernels of {_NATIVE_PATH} failed")
+    return lib
+
+
+NATIVE = _load_native()
