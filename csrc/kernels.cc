@@ -299,8 +299,9 @@ void addmm_out(ffi::PackedArgs args, ffi::Any*) {
 
 void bmm_out(ffi::PackedArgs args, ffi::Any*) {
   check_arity("bmm_out", args, 4);
+  Json cfg = attrs_of(args[2]);
   at::Tensor out = tensor_arg(args, 3);
-  at::bmm_out(out, tensor_arg(args, 0), tensor_arg(args, 1));
+  at::bmm_out(out, maybe_t(tensor_arg(args, 0), cfg["ta"].as_bool()), maybe_t(tensor_arg(args, 1), cfg["tb"].as_bool()));
 }
 
 void matmul_out(ffi::PackedArgs args, ffi::Any*) {

@@ -70,10 +70,9 @@ def test_matmuls_with_transposed_operands(ta, tb):
     got = _native("matmul_out", a3, b, attrs={"ta": ta, "tb": tb}, out=torch.empty(2, 3, 4))
     torch.testing.assert_close(got, torch.matmul(_t(a3, ta), _t(b, tb)))
 
-
-def test_bmm():
-    a, b = _randn(2, 3, 5), _randn(2, 5, 4, seed=1)
-    torch.testing.assert_close(_native("bmm_out", a, b, attrs={}, out=torch.empty(2, 3, 4)), torch.bmm(a, b))
+    b3 = _randn(*((2, 4, 5) if tb else (2, 5, 4)), seed=4)
+    got = _native("bmm_out", a3, b3, attrs={"ta": ta, "tb": tb}, out=torch.empty(2, 3, 4))
+    torch.testing.assert_close(got, torch.bmm(_t(a3, ta), _t(b3, tb)))
 
 
 _CONVS = [  # (x, w, attrs of aten.convolution)
