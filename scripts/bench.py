@@ -37,16 +37,16 @@ program ahead). The first step and the last wait for their programs. With
 mark_step and execution end to end.
 
 Table 2 (ratex cells): tracing cost per ATen op on a cache hit -- the Python
-part of a step before mark_step divided by the ATen calls that reach
+thread's CPU time in a step before mark_step divided by the ATen calls that reach
 `ratex.core.ops.dispatch` in one step (nested calls made by ratex's own
 decompositions included; the top-level count is shown too) -- and shares of
 step time: tracing and mark_step (graph cut, cache lookup, launch, and waiting
 for the program before the previous one) on the Python thread, and execution
 (metric 'ExecuteTime') on ratex's executor thread. Pipelined, execution overlaps
 the other two, so the shares may add up to more than 100%; the larger of
-(trace + mark_step less its wait) and execute is what bounds the step. Execution
-that a sync point inside the step runs (.item(), an op with no lowering that
-runs eagerly) counts as execute, not trace; programs/step and eager-fallback
+(trace + mark_step less its wait) and execute is what bounds the step. Waiting
+at a sync point inside the step (.item()) is not trace time, but an op with no
+lowering, run eagerly on the Python thread, is; programs/step and eager-fallback
 ops/step show such steps.
 
 Threads: every cell runs with --threads (default 1) OpenMP/MKL/TVM threads and
@@ -164,9 +164,10 @@ def run_cell(model_name, system, steps, warmup, caught=(), serial=False):
             return {}
         return {k: metrics.counter_value(k) or 0 for k in metrics.counter_names()}
 
-    # starts: when each step began (a step's time runs to the next one's start); traces: up to
-    # mark_step, less any execution a sync point inside the step (.item(), an eager-fallback op)
-    # ran there; marks: inside mark_step; execs: all execution finished during the step.
+    # starts: when each step began (a step's time runs to the next one's start); traces: CPU time
+    # of this (Python) thread up to mark_step -- not wall time, which would include waiting at a
+    # sync point inside the step and the previous program running beside it; marks: inside
+    # mark_step; execs: all execution finished during the step.
     # Steps are pipelined as in training: mark_step launches the program and returns, and the
     # next step's Python overlaps it (ratex keeps at most one program queued behind the running
     # one). The first and last steps wait for their programs; so does every step with --serial.
@@ -179,12 +180,11 @@ def run_cell(model_name, system, steps, warmup, caught=(), serial=False):
             counter.install()
             before = counts()
         e0 = exec_total()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         starts.append(t0)
         x, y = x.to(dev), y.to(dev)
         loss = step_fn(x, y)
-        t1 = time.perf_counter()
-        e1 = exec_total()
+        t1, c1 = time.perf_counter(), time.thread_time()
         mark()
         t2 = time.perf_counter()
         if serial or i == 0 or i == steps - 1:
@@ -195,7 +195,7 @@ def run_cell(model_name, system, steps, warmup, caught=(), serial=False):
             delta = {k: v - before.get(k, 0) for k, v in after.items()}
             result["programs_per_step"] = delta.get("UncachedCompile", 0) + delta.get("CachedCompile", 0)
             result["fallbacks_per_step"] = sum(v for k, v in delta.items() if k.startswith("aten::"))
-        traces.append(t1 - t0 - (e1 - e0))
+        traces.append(c1 - c0)
         marks.append(t2 - t1)
         execs.append(exec_total() - e0)
         if i == 0 and metrics is not None:
@@ -425,7 +425,7 @@ def report(models, systems, cells, args):
     if rows2:
         print()
         print("ratex cells, cache-hit steps: tracing cost and where the step time goes "
-              "(trace ms: median, before mark_step, less execution done by mid-step syncs; "
+              "(trace ms: median CPU time of the Python thread before mark_step; "
               "shares of step time: trace and mark_step on the Python thread, execute on the executor thread, "
               "which overlaps them" + (")" if args.serial else " unless --serial)"))
         print(table(["model", "system", "ATen ops/step (top-level)", "programs/step", "eager-fallback ops/step",
