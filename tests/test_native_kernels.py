@@ -10,7 +10,7 @@ import tvm_ffi
 from torch import nn
 
 import ratex.core.kernels as K
-import ratex.lazy_tensor_core.core.lazy_model as lm
+from test_training import train
 
 pytestmark = pytest.mark.skipif(
     K.NATIVE is None,
@@ -199,22 +199,8 @@ def test_lazy_training_matches_cpu(dev):
     g = torch.Generator().manual_seed(0)
     data = [(torch.randn(3, 2, 9, 9, generator=g), torch.randint(0, 5, (3,), generator=g)) for _ in range(3)]
 
-    def train(model, device):
-        model = model.to(device)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        losses = []
-        for x, y in data:
-            opt.zero_grad()
-            loss = F.nll_loss(model(x.to(device)), y.to(device))
-            loss.backward()
-            opt.step()
-            if device.type == "lazy":
-                lm.mark_step()
-            losses.append(loss.item())
-        return losses, [p.detach().cpu() for p in model.parameters()]
-
-    want_losses, want_params = train(copy.deepcopy(model), torch.device("cpu"))
-    got_losses, got_params = train(model, dev)
+    want_losses, want_params = train(copy.deepcopy(model), torch.device("cpu"), data, lr=0.1)
+    got_losses, got_params = train(model, dev, data, lr=0.1)
     torch.testing.assert_close(got_losses, want_losses, rtol=1e-4, atol=1e-5)
     for got, want in zip(got_params, want_params):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
