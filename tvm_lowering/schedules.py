@@ -8,6 +8,8 @@ rule for the other reductions (softmax, norms); its GEMV rule broke
 native_batch_norm_backward's kernels, so it is left out. A rule that does not
 fit a kernel leaves it as it was.
 """
+import math
+
 from tvm import s_tir, tirx
 from tvm.s_tir import dlight
 from tvm.s_tir.dlight.analysis import normalize_prim_func
@@ -34,7 +36,8 @@ class Injective(CPUScheduleRule):
             extents = [get_extent(sch, loop) for loop in loops]
             if not loops or any(not isinstance(e, int) or e <= 0 for e in extents):
                 continue  # empty or symbolic: nothing worth scheduling
-            _vectorize_innermost(sch, loops, extents)
+            if math.prod(extents) >= _MIN_PARALLEL:  # small kernels stay as they are (and their libm calls scalar)
+                _vectorize_innermost(sch, loops, extents)
         return sch
         return sch
 
