@@ -7,6 +7,7 @@ in-place writes compute the new value functionally and scatter it back through
 the chain (`*_scatter` ops), so a write through any view is seen by all.
 """
 import os
+import sys
 import traceback
 
 import torch
@@ -55,12 +56,20 @@ class Storage:
             self.value = (Node.leaf(data, node.metas[idx]), 0)
 
 
-_INTERNAL = (os.sep + "ratex" + os.sep, os.sep + "torch" + os.sep, os.sep + "tvm" + os.sep)
+def _package_dir(module) -> str:
+    return os.path.dirname(os.path.abspath(module.__file__)) + os.sep
+
+
+# Frames in these packages are not the user's. By directory, not by a "/ratex/" in the path:
+# a checkout named ratex (tests/ in it) would otherwise hide the user's own frames.
+_INTERNAL = tuple(
+    _package_dir(m) for m in (sys.modules["ratex"], sys.modules["tvm_lowering"], torch, sys.modules["tvm"])
+)
 
 
 def _note_origin(node):
     """Remember the user's frames that produced `node` (for RATEX_SAVE_IR dumps)."""
-    frames = [f for f in traceback.extract_stack(limit=40)[:-2] if not any(p in f.filename for p in _INTERNAL)]
+    frames = [f for f in traceback.extract_stack(limit=40)[:-2] if not f.filename.startswith(_INTERNAL)]
     node.origin = [f"{f.filename}:{f.lineno} in {f.name}" for f in frames[-3:]]
 
 
