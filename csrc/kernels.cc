@@ -282,11 +282,14 @@ void check_arity(const char* name, const ffi::PackedArgs& args, int n) {
 // ---------------------------------------------------------------------------------------
 // The kernels (argument order as in ratex/core/kernels.py).
 
-void mm_out(ffi::PackedArgs args, ffi::Any*) {
-  check_arity("mm_out", args, 4);
+// mm_out, bmm_out, matmul_out: (a, b, attrs {"ta", "tb"}, out), the flags folding a swap of
+// an operand's last two axes into a strided view.
+template <at::Tensor& (*Product)(at::Tensor&, const at::Tensor&, const at::Tensor&)>
+void product_out(ffi::PackedArgs args, ffi::Any*) {
+  check_arity("mm_out/bmm_out/matmul_out", args, 4);
   Json cfg = attrs_of(args[2]);
   at::Tensor out = tensor_arg(args, 3);
-  at::mm_out(out, maybe_t(tensor_arg(args, 0), cfg["ta"].as_bool()), maybe_t(tensor_arg(args, 1), cfg["tb"].as_bool()));
+  Product(out, maybe_t(tensor_arg(args, 0), cfg["ta"].as_bool()), maybe_t(tensor_arg(args, 1), cfg["tb"].as_bool()));
 }
 
 void addmm_out(ffi::PackedArgs args, ffi::Any*) {
@@ -295,20 +298,6 @@ void addmm_out(ffi::PackedArgs args, ffi::Any*) {
   at::Tensor out = tensor_arg(args, 4);
   at::addmm_out(out, tensor_arg(args, 0), maybe_t(tensor_arg(args, 1), cfg["ta"].as_bool()),
                 maybe_t(tensor_arg(args, 2), cfg["tb"].as_bool()), cfg["beta"].as_double(), cfg["alpha"].as_double());
-}
-
-void bmm_out(ffi::PackedArgs args, ffi::Any*) {
-  check_arity("bmm_out", args, 4);
-  Json cfg = attrs_of(args[2]);
-  at::Tensor out = tensor_arg(args, 3);
-  at::bmm_out(out, maybe_t(tensor_arg(args, 0), cfg["ta"].as_bool()), maybe_t(tensor_arg(args, 1), cfg["tb"].as_bool()));
-}
-
-void matmul_out(ffi::PackedArgs args, ffi::Any*) {
-  check_arity("matmul_out", args, 4);
-  Json cfg = attrs_of(args[2]);
-  at::Tensor out = tensor_arg(args, 3);
-  at::matmul_out(out, maybe_t(tensor_arg(args, 0), cfg["ta"].as_bool()), maybe_t(tensor_arg(args, 1), cfg["tb"].as_bool()));
 }
 
 void convolution(ffi::PackedArgs args, ffi::Any* rv) {
@@ -483,10 +472,10 @@ extern "C" int RatexRegisterNativeKernels() {
     aten_out_fallback = new ffi::Function(*previous);
   }
   const std::pair<const char*, ffi::Function> kernels[] = {
-      {"mm_out", kernel<mm_out>("mm_out")},
+      {"mm_out", kernel<product_out<at::mm_out>>("mm_out")},
       {"addmm_out", kernel<addmm_out>("addmm_out")},
-      {"bmm_out", kernel<bmm_out>("bmm_out")},
-      {"matmul_out", kernel<matmul_out>("matmul_out")},
+      {"bmm_out", kernel<product_out<at::bmm_out>>("bmm_out")},
+      {"matmul_out", kernel<product_out<at::matmul_out>>("matmul_out")},
       {"aten_out", kernel<aten_out>("aten_out")},
       {"convolution", kernel<convolution>("convolution")},
       {"convolution_backward", kernel<convolution_backward>("convolution_backward")},
