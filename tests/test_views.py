@@ -3,6 +3,7 @@ import pytest
 import torch
 
 import ratex.lazy_tensor_core.core.lazy_model as lm
+from ratex.lazy_tensor_core.debug import metrics
 
 
 def base(device):
@@ -120,7 +121,34 @@ def promotion(d):
     return [x + 2.5, x > 3, x * True, x // 4, x.float() / 3]
 
 
+def optimizer_arithmetic(d):
+    # the in-place fast path: operands of the target's shape and dtype, plain-number scalars
+    g = torch.Generator().manual_seed(0)
+    x, y, z = (torch.rand(4, 6, generator=g).add(0.5).to(d) for _ in range(3))
+    x.mul_(0.9).add_(y, alpha=-0.1)
+    x.addcmul_(y, z, value=0.01).addcdiv_(y, z, value=-0.5)
+    x.lerp_(z, 0.3)
+    x.sub_(y, alpha=2).div_(3).mul_(2)
+    x.addcmul_(x, x)  # the target as its own operand
+    x[1].add_(y[2], alpha=0.5)  # a view as the target: written through to the base
+    y.t().mul_(z.t())
+    return [x, y, z]
+
+
+def inplace_arithmetic_general_path(d):
+    # broadcasting, type promotion, a 0-dim operand, an integer target: no fast path
+    x = base(d)
+    x.add_(torch.ones(6, device=d), alpha=2)
+    x.mul_(torch.tensor(0.5, device=d))
+    x.add_(base(d).double())
+    x.add_(1.5, alpha=2)
+    i = base(d).to(torch.int64)
+    i.mul_(3).add_(i, alpha=2)
+    return [x, i, torch.add(x, 1.5, alpha=2), torch.sub(i, 2, alpha=3)]  # alpha with a scalar other
+
+
 CASES = [
+    optimizer_arithmetic, inplace_arithmetic_general_path,
     slice_assign, strided_view_mul_, add_out_into_view, view_sees_base_write, write_through_transpose,
     param_data_index_write, param_data_assign, inplace_t_, unsqueeze_then_transpose_, zero_grad_keeps_tensors,
     view_of_view_fill, split_views_write, diagonal_zero_, mask_assign, column_iadd, unbind_neg_, promotion,
@@ -144,3 +172,26 @@ def test_matches_cpu(dev, case):
             torch.testing.assert_close(_cpu(g), w)
         else:
             assert g == w
+
+
+def test_inplace_arithmetic_errors_match_cpu(dev):
+    for d in (torch.device("cpu"), dev):
+        i = torch.arange(6, device=d)
+        with pytest.raises(RuntimeError, match="can't be cast"):
+            i.mul_(0.5)
+        e = torch.ones(1, 6, device=d).expand(4, 6)
+        with pytest.raises(RuntimeError, match="single memory location"):
+            e.add_(torch.ones(4, 6, device=d))
+        x = torch.ones(4, 6, device=d)
+        with pytest.raises(RuntimeError, match="doesn't match the broadcast shape"):
+            x.add_(torch.ones(2, 4, 6, device=d))
+
+
+def test_optimizer_update_builds_no_intermediate_tensors(dev):
+    p, buf, grad = (torch.ones(3, 3, device=dev) for _ in range(3))
+    lm.mark_step()
+    before = metrics.counter_value("CreateLazyTensor")
+    buf.mul_(0.9).add_(grad)
+    p.add_(buf, alpha=-0.01)
+    assert metrics.counter_value("CreateLazyTensor") == before
+    torch.testing.assert_close(p.cpu(), torch.full((3, 3), 1 - 0.019))

@@ -161,14 +161,41 @@ def _functional(func, args, kwargs):
         return _decomposed_or_eager(*given, kwargs, None)
     if _all_empty(out):
         return _empty_outputs(out)
-    counter = _lowered_counter(func)
-    if counter is None:
+    if _lowered_counter(func) is None:
         return _decomposed_or_eager(*given, kwargs, out)
+    node = _new_node(func, spec, values, out)
+    return eager(*given, kwargs) if node is None else _wrap(node, out)
+
+
+def _new_node(func, spec, values, out):
+    """Record a node of a lowered op; None where its rule failed on this very node before."""
     node = Node(func, spec, tuple(values), out.metas, multi=out.kind != "tensor")
     if sync.unlowerable and node.key in sync.unlowerable:
-        return eager(*given, kwargs)
-    metrics.counter_inc(counter)
-    return _wrap(node, out)
+        return None
+    metrics.counter_inc(_lowered_counter(func))
+    return node
+
+
+def _value_op(func, *args):
+    """`dispatch(func, args)` for an intermediate result that no user sees: a lowered
+    single-output op comes back as its IR value (a _V) with no LazyTensor built for it;
+    anything else (no meta kernel, no rule, no elements) as `dispatch` returns it.
+    Decompositions and the in-place fast path chain these (a tensor costs ~4 us)."""
+    if func in _LIFT:
+        func, args = _lift_scalar(func, args)
+    spec, values, metas = _collect(func, args, _EMPTY)
+    try:
+        out = shape.infer(func, spec, metas)
+    except shape.NoMeta:
+        out = None
+    if out is not None and out.kind == "tensor" and _lowered_counter(func) is not None and not _all_empty(out):
+        node = _new_node(func, spec, values, out)
+        if node is not None:
+            return _V((node, 0))
+    return dispatch(func, args, {})
+
+
+_EMPTY = {}
 
 
 def _all_empty(out) -> bool:
@@ -229,44 +256,52 @@ def _liftable(x) -> bool:
     return type(x) is float and x not in (0.0, 1.0, -1.0)
 
 
-def _float_scalar_dtype(t) -> torch.dtype:
-    """The dtype a Python float takes next to tensor `t` under PyTorch's promotion rules."""
-    return t.dtype if t.dtype.is_floating_point or t.dtype.is_complex else torch.get_default_dtype()
+def _float_scalar_dtype(dtype) -> torch.dtype:
+    """The dtype a Python float takes next to a tensor of `dtype` under PyTorch's promotion rules."""
+    return dtype if dtype.is_floating_point or dtype.is_complex else torch.get_default_dtype()
 
 
 _MULS = (aten.mul.Tensor, aten.mul.Scalar)
 
 
 def _lift_scalar(func, args):
-    if len(args) < 2 or not isinstance(args[0], tensor.LazyTensor):
+    if len(args) < 2:
+        return func, args
+    first = args[0]
+    if isinstance(first, tensor.LazyTensor):
+        dtype = first.dtype
+    elif type(first) is _V:
+        dtype = first.value[0].metas[first.value[1]].dtype
+    else:
         return func, args
     # x * 0 as a constant is folded to 0 by TVM's simplifier, but NaN * 0 and inf * 0 are NaN.
     zero_times_float = func in _MULS and type(args[1]) in (int, float) and args[1] == 0 \
-        and args[0].dtype.is_floating_point
+        and dtype.is_floating_point
     if not (_liftable(args[1]) or zero_times_float):
         return func, args
-    return _LIFT[func], (args[0], _scalar_input(args[1], _float_scalar_dtype(args[0]))) + tuple(args[2:])
+    return _LIFT[func], (first, _scalar_input(args[1], _float_scalar_dtype(dtype))) + tuple(args[2:])
 
 
 def _scalar_input(value, dtype):
     """A Python scalar as a 0-dim device-data input (an IR value: no LazyTensor to build).
 
-    The data of each (value, dtype) is made once and shared: programs never write
-    into a leaf that no tensor owns, and an optimizer lifts the same few scalars
+    Each (value, dtype) is made once and shared, leaf node and all: programs never
+    write into a leaf that no tensor owns, and an optimizer lifts the same few scalars
     (lr, momentum) for every parameter of every step (torch.tensor costs ~7 us).
     """
     be = tensor.backend()
     key = (ir.float_atom(value) if type(value) is float else value, dtype, be)  # -0.0 apart from 0.0
-    data = _scalar_data.get(key)
-    if data is None:
+    leaf = _scalar_data.get(key)
+    if leaf is None:
         if len(_scalar_data) >= 1024:  # a schedule that sweeps the lr: keep the dict small
             _scalar_data.clear()
         metrics.counter_inc("DeviceDataTransfer")
-        data = _scalar_data[key] = be.adopt(torch.tensor(value, dtype=dtype))
-    return _V((Node.leaf(data, ir.Meta((), dtype)), 0))
+        data = be.adopt(torch.tensor(value, dtype=dtype))
+        leaf = _scalar_data[key] = _V((Node.leaf(data, ir.Meta((), dtype)), 0))
+    return leaf
 
 
-_scalar_data = {}  # (value, dtype, backend) -> device data of the 0-dim tensor
+_scalar_data = {}  # (value, dtype, backend) -> _V of a leaf holding the 0-dim tensor
 
 
 # ---- decompositions -----------------------------------------------------------
@@ -276,32 +311,34 @@ def _call(op, *args, **kwargs):
     return dispatch(op, args, kwargs)
 
 
+# Each takes `last`, which records the final op: `_call` for a decomposition (a tensor the user
+# gets), `_value_op` for the in-place fast path below (a value written straight into the target).
 def _add_alpha(func):
-    def decomp(a, b, *, alpha=1):
-        if alpha == 1 or not isinstance(b, torch.Tensor):
+    def decomp(a, b, *, alpha=1, last=_call):
+        if alpha == 1 or not _is_arg_tensor(b):
             return NotImplemented
-        return _call(func, a, _call(aten.mul.Tensor, b, alpha))
+        return last(func, a, _value_op(aten.mul.Tensor, b, alpha))
 
     return decomp
 
 
-def _addcmul(self, t1, t2, *, value=1):
-    return _call(aten.add.Tensor, self, _call(aten.mul.Tensor, _call(aten.mul.Tensor, t1, value), t2))
+def _addcmul(self, t1, t2, *, value=1, last=_call):
+    return last(aten.add.Tensor, self, _value_op(aten.mul.Tensor, _value_op(aten.mul.Tensor, t1, value), t2))
 
 
-def _addcdiv(self, t1, t2, *, value=1):
-    return _call(aten.add.Tensor, self, _call(aten.mul.Tensor, _call(aten.div.Tensor, t1, t2), value))
+def _addcdiv(self, t1, t2, *, value=1, last=_call):
+    return last(aten.add.Tensor, self, _value_op(aten.mul.Tensor, _value_op(aten.div.Tensor, t1, t2), value))
 
 
-def _lerp_scalar(self, end, weight):
-    return _call(aten.add.Tensor, self, _call(aten.mul.Tensor, _call(aten.sub.Tensor, end, self), weight))
+def _lerp_scalar(self, end, weight, *, last=_call):
+    return last(aten.add.Tensor, self, _value_op(aten.mul.Tensor, _value_op(aten.sub.Tensor, end, self), weight))
 
 
 def _rsub_scalar(self, other, alpha=1):
     scaled = self if alpha == 1 else aten.mul.Tensor(self, alpha)
     if not _liftable(other):
         return NotImplemented
-    dtype = _float_scalar_dtype(self)
+    dtype = _float_scalar_dtype(self.dtype)
     lhs = tensor.LazyTensor.from_cpu(torch.tensor(other, dtype=dtype), adopt=True)
     return aten.sub.Tensor(lhs, scaled)
 
@@ -532,6 +569,9 @@ def _mutating(func, args, kwargs):
     fkwargs = {k: v for k, v in kwargs.items() if k != key} if kind == "kw" else kwargs
     result = dispatch(fop, args, fkwargs)
     if not _fits(result, target):  # PyTorch's own checks and errors for the in-place form
+        if isinstance(result, tensor.LazyTensor) and not torch.can_cast(result.dtype, target.dtype):
+            raise RuntimeError(f"result type {_type_name(result.dtype)} can't be cast to the desired output "
+                               f"type {_type_name(target.dtype)}")  # meta kernels don't check it
         spec, _, metas = _collect(func, args, kwargs)
         try:
             out = shape.infer(func, spec, metas)
@@ -541,6 +581,92 @@ def _mutating(func, args, kwargs):
             return eager(func, args, kwargs)  # it changes the tensor's shape (resize_): PyTorch does that
     assign(target, result)
     return target
+
+
+# In-place arithmetic, an optimizer's every update (buf.mul_(momentum), p.add_(buf, alpha=-lr),
+# v.addcmul_(g, g, value=1 - beta2)): when every tensor operand has the target's shape and
+# dtype and the scalars are plain numbers, the result has the target's meta, so the functional
+# ops are recorded straight on IR values and written -- no result tensor, no nested dispatch.
+# Anything else (broadcasting, type promotion, an expanded target) takes `_mutating`.
+def _binary_inplace(fop):
+    def value(self, other, *, alpha=1):
+        if alpha != 1:
+            if type(other) is not tensor.LazyTensor:
+                return None
+            other = _value_op(aten.mul.Tensor, other, alpha)
+        return _value_op(fop, self, other)
+
+    return value
+
+
+def _no_alpha(fop):
+    def value(self, other):
+        return _value_op(fop, self, other)
+
+    return value
+
+
+_INPLACE_ARITH = {
+    aten.add_.Tensor: _binary_inplace(aten.add.Tensor),
+    aten.sub_.Tensor: _binary_inplace(aten.sub.Tensor),
+    aten.mul_.Tensor: _no_alpha(aten.mul.Tensor),
+    aten.div_.Tensor: _no_alpha(aten.div.Tensor),
+    aten.addcmul_.default: functools.partial(_addcmul, last=_value_op),
+    aten.addcdiv_.default: functools.partial(_addcdiv, last=_value_op),
+    aten.lerp_.Scalar: functools.partial(_lerp_scalar, last=_value_op),
+}
+_NUMBERS = (int, float)
+
+
+def _inplace_arith(func, args, kwargs):
+    target = args[0]
+    value = _inplace_value(func, args, kwargs) if _same_meta_operands(target, args, kwargs) else None
+    if value is None:
+        return _mutating(func, args, kwargs)
+    if type(value) is _V:
+        node, idx = value.value
+        if node.metas[idx] == (target._sig[0], target.dtype):
+            target._write(value.value)
+            return target
+        value = tensor.LazyTensor.from_value(value.value)
+    assign(target, value)  # a step fell back to a tensor: assign checks and casts as _mutating does
+    return target
+
+
+def _inplace_value(func, args, kwargs):
+    try:
+        return _INPLACE_ARITH[func](*args, **kwargs)
+    except TypeError:  # an argument the recipe doesn't take: the general path reports it
+        return None
+
+
+def _same_meta_operands(target, args, kwargs) -> bool:
+    if type(target) is not tensor.LazyTensor or not target.dtype.is_floating_point or 0 in target._sig[1]:
+        return False
+    shape, dtype = target._sig[0], target.dtype
+    for x in args[1:]:
+        if type(x) is tensor.LazyTensor:
+            if x._sig[0] != shape or x.dtype != dtype:
+                return False
+        elif type(x) not in _NUMBERS:
+            return False
+    return all(type(v) in _NUMBERS for v in kwargs.values())
+
+
+for _f in _INPLACE_ARITH:
+    HANDLERS[_f] = _inplace_arith
+
+
+def _type_name(dtype) -> str:
+    """PyTorch's ScalarType name of a dtype, as its error messages spell it (torch.int64: Long)."""
+    return _TYPE_NAMES.get(dtype, str(dtype).replace("torch.", ""))
+
+
+_TYPE_NAMES = {
+    torch.float64: "Double", torch.float32: "Float", torch.float16: "Half", torch.bfloat16: "BFloat16",
+    torch.int64: "Long", torch.int32: "Int", torch.int16: "Short", torch.int8: "Char", torch.uint8: "Byte",
+    torch.bool: "Bool", torch.complex64: "ComplexFloat", torch.complex128: "ComplexDouble",
+}
 
 
 def _fits(result, target) -> bool:
@@ -725,6 +851,8 @@ def eager(func, args, kwargs):
     copies = {}
 
     def to_cpu(x):
+        if type(x) is _V:  # an intermediate value of a decomposition
+            x = tensor.LazyTensor.from_value(x.value)
         if isinstance(x, tensor.LazyTensor):
             c = x._to_cpu()
             copies[id(c)] = x

@@ -86,7 +86,10 @@ def _binary(imp, node):
     from ..dtypes import to_tvm
 
     name = node.target.__name__
-    if len(node.args) > 2 or node.kwargs:  # alpha=, rounding_mode=: TVM's rule handles them
+    alpha = 1  # add/sub's alpha scales the second operand, below: TVM's rule ignores it
+    if name in ("add.Tensor", "sub.Tensor") and set(node.kwargs) <= {"alpha"}:
+        alpha = node.kwargs.get("alpha", 1)
+    elif len(node.args) > 2 or node.kwargs:  # rounding_mode=: TVM's rule handles it
         return imp.tvm_rules[name](node)
     vals = [a.meta["val"] if hasattr(a, "meta") else a for a in node.args]
     out_dtype = to_tvm(node.meta["val"].dtype)
@@ -108,6 +111,8 @@ def _binary(imp, node):
             operands.append(x if str(x.ty.dtype) == compute else bb.emit(relax.op.astype(x, compute)))
         else:
             operands.append(relax.const(a, compute))
+    if alpha != 1:
+        operands[1] = bb.emit(relax.op.multiply(operands[1], relax.const(alpha, compute)))
     out = bb.emit({**_ARITH, **_COMPARE}[name](*operands))
     return out if compute == out_dtype else bb.emit(relax.op.astype(out, out_dtype))
 
