@@ -36,18 +36,21 @@ program ahead). The first step and the last wait for their programs. With
 --serial every step waits for its program, so a step's time is its tracing,
 mark_step and execution end to end.
 
-Table 2 (ratex cells): tracing cost per ATen op on a cache hit -- the Python
-thread's CPU time in a step before mark_step divided by the ATen calls that reach
-`ratex.core.ops.dispatch` in one step (nested calls made by ratex's own
-decompositions included; the top-level count is shown too) -- and shares of
-step time: tracing and mark_step (graph cut, cache lookup, launch, and waiting
-for the program before the previous one) on the Python thread, and execution
-(metric 'ExecuteTime') on ratex's executor thread. Pipelined, execution overlaps
-the other two, so the shares may add up to more than 100%; the larger of
-(trace + mark_step less its wait) and execute is what bounds the step. Waiting
-at a sync point inside the step (.item()) is not trace time, but an op with no
-lowering, run eagerly on the Python thread, is; programs/step and eager-fallback
-ops/step show such steps.
+Table 2 (ratex cells): tracing cost per ATen op on a cache hit, two ways, over
+the top-level ATen calls that reach ratex's handler (`ratex.core.ops.dispatch`)
+in one step (the nested calls of ratex's own decompositions are shown after a
+'+'): 'dispatch us/op' is the CPU time inside that handler per call, what ratex's
+tracer costs; 'trace us/op' is all the Python thread's CPU time in a step before
+mark_step per call, which also holds what eager PyTorch pays too (the autograd
+engine, the optimizer's Python, torch's dispatcher, about 8 us per call into a
+Python tensor subclass). Then shares of step time: tracing and mark_step (graph
+cut, cache lookup, launch, and waiting for the program before the previous one)
+on the Python thread, and execution (metric 'ExecuteTime') on ratex's executor
+thread. Pipelined, execution overlaps the other two, so the shares may add up to
+more than 100%; the larger of (trace + mark_step less its wait) and execute is
+what bounds the step. Waiting at a sync point inside the step (.item()) is not
+trace time, but an op with no lowering, run eagerly on the Python thread, is;
+programs/step and eager-fallback ops/step show such steps.
 
 Threads: every cell runs with --threads (default 1) OpenMP/MKL/TVM threads and
 torch.set_num_threads. On a shared machine, more threads than free cores make
@@ -214,7 +217,8 @@ def run_cell(model_name, system, steps, warmup, caught=(), serial=False):
         result["ops_top"] = counter.top
         trace = statistics.median(traces[timed])
         result["trace_ms"] = trace * 1e3
-        result["us_per_op"] = trace * 1e6 / counter.total if counter.total else None
+        result["us_per_op"] = trace * 1e6 / counter.top if counter.top else None
+        result["dispatch_us_per_op"] = counter.inside * 1e6 / counter.top if counter.top else None
         step_sum = sum(times[timed])
         result["share"] = {k: sum(v[timed]) / step_sum for k, v in (("trace", traces), ("mark", marks), ("execute", execs))}
         result["counters"] = {k: metrics.counter_value(k) for k in metrics.counter_names()}
@@ -231,19 +235,25 @@ class _DispatchCounter:
         self.ops = ops_module
         self.orig = ops_module.dispatch
         self.total = self.top = self.depth = 0
+        self.inside = 0.0  # CPU seconds inside top-level calls
 
     def install(self):
         orig = self.orig
+        clock = time.thread_time
 
         def counting(func, args, kwargs):
             self.total += 1
-            if self.depth == 0:
+            top = self.depth == 0
+            if top:
                 self.top += 1
+                t0 = clock()
             self.depth += 1
             try:
                 return orig(func, args, kwargs)
             finally:
                 self.depth -= 1
+                if top:
+                    self.inside += clock() - t0
 
         self.ops.dispatch = counting
 
@@ -345,8 +355,9 @@ def combine(runs):
     out["first_step_s"] = statistics.median(r["first_step_s"] for r in ok)
     if "trace_ms" in out:
         out["trace_ms"] = statistics.median(r["trace_ms"] for r in ok)
-        if out.get("ops_total"):
-            out["us_per_op"] = out["trace_ms"] * 1e3 / out["ops_total"]
+        if out.get("ops_top"):
+            out["us_per_op"] = out["trace_ms"] * 1e3 / out["ops_top"]
+            out["dispatch_us_per_op"] = statistics.median(r["dispatch_us_per_op"] for r in ok)
         for k in ("trace", "mark", "execute"):
             out["share"][k] = statistics.median(r["share"][k] for r in ok)
     out["repeats_ok"] = len(ok)
@@ -415,21 +426,27 @@ def report(models, systems, cells, args):
                 continue
             r = cells[(m, s)]
             if "error" in r:
-                rows2.append([m, s, "fails", "", "", "", "", "", "", ""])
+                rows2.append([m, s, "fails", "", "", "", "", "", "", "", ""])
                 continue
             sh = r["share"]
             upo = f"{r['us_per_op']:.1f}" if r.get("us_per_op") else "-"
-            rows2.append([m, s, f"{r['ops_total']} ({r['ops_top']})", str(r.get("programs_per_step", "")),
-                          str(r.get("fallbacks_per_step", "")), f"{r['trace_ms']:.2f}", upo,
+            dpo = f"{r['dispatch_us_per_op']:.1f}" if r.get("dispatch_us_per_op") else "-"
+            rows2.append([m, s, f"{r['ops_top']} (+{r['ops_total'] - r['ops_top']})",
+                          str(r.get("programs_per_step", "")),
+                          str(r.get("fallbacks_per_step", "")), f"{r['trace_ms']:.2f}", dpo, upo,
                           f"{sh['trace'] * 100:.0f}%", f"{sh['mark'] * 100:.0f}%", f"{sh['execute'] * 100:.0f}%"])
     if rows2:
         print()
         print("ratex cells, cache-hit steps: tracing cost and where the step time goes "
-              "(trace ms: median CPU time of the Python thread before mark_step; "
+              "(ATen ops: top-level calls that reach ratex, + the nested calls of its decompositions; "
+              "trace ms: median CPU time of the Python thread before mark_step; "
+              "dispatch us/op: CPU time inside ratex's handler per top-level op; "
+              "trace us/op: trace ms per top-level op, autograd engine, optimizer Python and torch's "
+              "dispatcher included; "
               "shares of step time: trace and mark_step on the Python thread, execute on the executor thread, "
               "which overlaps them" + (")" if args.serial else " unless --serial)"))
-        print(table(["model", "system", "ATen ops/step (top-level)", "programs/step", "eager-fallback ops/step",
-                     "trace ms", "us/op",
+        print(table(["model", "system", "ATen ops/step", "programs/step", "eager-fallback ops/step",
+                     "trace ms", "dispatch us/op", "trace us/op",
                      "trace", "mark_step", "execute"], rows2))
     if footnotes:
         print()

@@ -41,13 +41,15 @@ def handles(*funcs):
 
 def dispatch(func, args, kwargs):
     """Trace (or run) one ATen call whose arguments include lazy tensors."""
-    route = _routes.get(func)
+    route = _routes.get(id(func))
     if route is None:
-        route = _routes[func] = _route(func)
+        route = _routes[id(func)] = _route(func)
+        _routed.append(func)
     return route(func, args, kwargs)
 
 
-_routes = {}
+# By id: OpOverload.__hash__ is Python code (~0.3 us a call). _routed keeps the ops alive.
+_routes, _routed = {}, []
 
 
 def _route(func):
@@ -110,6 +112,8 @@ def _tmpl(x, found):
 
 def _collect(func, args, kwargs):
     """Return (spec, input values, input metas) for a call, checking devices."""
+    if not kwargs and len(args) == 2 and _is_value_arg(args[0]) and _is_value_arg(args[1]):  # x + y
+        return _BINARY_SPEC, [_arg_value(args[0]), _arg_value(args[1])], (_arg_sig(args[0]), _arg_sig(args[1]))
     if any(k in kwargs for k in _DEVICE_KWARGS):
         kwargs = {k: v for k, v in kwargs.items() if k not in _DEVICE_KWARGS}
     found = []
@@ -120,10 +124,8 @@ def _collect(func, args, kwargs):
     values, metas = [], []
     for t in found:
         if isinstance(t, _V):
-            node, idx = t.value
-            meta = node.metas[idx]
             values.append(t.value)
-            metas.append((meta.shape, tensor._contiguous_strides(meta.shape), meta.dtype))
+            metas.append(_arg_sig(t))
             continue
         if not isinstance(t, tensor.LazyTensor):
             if t.device.type == "cpu" and (t.dim() == 0 or func in _CPU_INDICES_OK):
@@ -196,6 +198,24 @@ def _value_op(func, *args):
 
 
 _EMPTY = {}
+_BINARY_SPEC = ((ir.slot(0), ir.slot(1)), _NO_KWARGS)  # what _collect makes of f(tensor, tensor)
+
+
+def _is_value_arg(x) -> bool:
+    t = type(x)
+    return t is _V or t is tensor.LazyTensor
+
+
+def _arg_value(x):
+    return x.value if type(x) is _V else x._value()
+
+
+def _arg_sig(x):
+    """(shape, strides, dtype) of a lazy tensor or an IR value, as `_collect` gives it."""
+    if type(x) is not _V:
+        return x._sig
+    meta = x.value[0].metas[x.value[1]]
+    return meta.shape, tensor._contiguous_strides(meta.shape), meta.dtype
 
 
 def _all_empty(out) -> bool:
@@ -429,15 +449,28 @@ def _view(func, args, kwargs):
         return eager(func, args, kwargs)
     # Composite views (reshape, to, movedim, ...) reach here from inside decompositions: their
     # own decomposition yields primitive views, which in-place writes can be scattered back through.
-    if func not in _IDENTITY_VIEWS and (_lowered_counter(func) is None or _composite(func)):
+    if _lowered_counter(func) is None or _composite(func):
         result = _decomposed(func, args, kwargs, out)
         if result is not NotImplemented:
             return result
     metrics.counter_inc(_view_counter(func))
-    value = values[0] if func in _IDENTITY_VIEWS else (Node(func, spec, tuple(values), out.metas), 0)
+    value = (Node(func, spec, tuple(values), out.metas), 0)
     return tensor.LazyTensor(
         base._st, base._chain + ((func, spec),), out.metas[0], out.strides[0], out.offsets[0], value
     )
+
+
+@handles(*_IDENTITY_VIEWS)
+def _identity_view(func, args, kwargs):
+    """detach/alias (autograd detaches every new gradient): a new tensor on the same storage
+    and view chain, so the same value; nothing to infer or record."""
+    base = args[0]
+    if type(base) is not tensor.LazyTensor:
+        return eager(func, args, kwargs)
+    shape_, stride, dtype = base._sig
+    metrics.counter_inc(_view_counter(func))
+    return tensor.LazyTensor(base._st, base._chain, ir.Meta(shape_, dtype), stride, base.storage_offset(),
+                             base._value() if base._chain else None)
 
 
 @functools.lru_cache(maxsize=None)

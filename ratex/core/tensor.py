@@ -6,6 +6,7 @@ the base to this tensor. Reads replay the chain when the storage changed;
 in-place writes compute the new value functionally and scatter it back through
 the chain (`*_scatter` ops), so a write through any view is seen by all.
 """
+import functools
 import os
 import sys
 import traceback
@@ -73,7 +74,8 @@ def _note_origin(node):
     node.origin = [f"{f.filename}:{f.lineno} in {f.name}" for f in frames[-3:]]
 
 
-def _contiguous_strides(shape):
+@functools.lru_cache(maxsize=4096)
+def _contiguous_strides(shape: tuple) -> tuple:
     strides, acc = [], 1
     for s in reversed(shape):
         strides.append(acc)
