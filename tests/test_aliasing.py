@@ -250,3 +250,22 @@ def test_accumulator_made_by_a_factory_is_not_a_shared_constant(dev, monkeypatch
             total += loss.detach()
         totals.append(total.item())
     assert totals == [18.0, 18.0, 18.0]
+
+
+@pytest.mark.parametrize("aliased", [False, True])
+def test_clone_strides_follow_memory_format(dev, monkeypatch, aliased):
+    # reshape of a tensor it can't view clones it contiguous first (a transposed attention
+    # projection did so, and with aliasing on the clone kept the transposed strides)
+    monkeypatch.setattr(config, "PARAM_ALIASING", aliased)
+    for d in (torch.device("cpu"), dev):
+        x = torch.arange(24.0, device=d).reshape(2, 3, 4).transpose(0, 1)
+        kept = x.clone()
+        assert kept.stride() == (4, 12, 1)
+        flat = x.reshape(6, 4)
+        assert flat.stride() == (4, 1)
+        assert x.clone(memory_format=torch.contiguous_format).stride() == (8, 4, 1)
+        if d == dev:
+            lm.mark_step()
+            torch.testing.assert_close(flat.cpu(), want)
+            torch.testing.assert_close(kept.cpu(), x.cpu())
+        want = flat

@@ -773,10 +773,14 @@ def _clone(func, args, kwargs):
     # Device data is immutable, so a clone is the same value in a new Storage. With buffer
     # donation the step that overwrites the source may write into its buffer, so the
     # clone must own a copy (see Program.run, which gives every output a buffer of its own).
-    src = args[0]
+    # Either way the clone's strides are PyTorch's for its memory_format (preserve: a
+    # transposed source gives a transposed clone; contiguous_format, as reshape asks for
+    # when it can't view, a contiguous one).
     if config.PARAM_ALIASING:
-        return _functional(func, (src,), {})
-    return tensor.LazyTensor.from_value(src._value())
+        return _functional(func, args, kwargs)
+    spec, _, metas = _collect(func, args, kwargs)
+    out = shape.infer(func, spec, metas)
+    return tensor.LazyTensor.from_value(args[0]._value(), out.strides[0], out.offsets[0])
 
 
 # ---- PyTorch's decompositions: the tier between a lowering rule and the CPU -------
