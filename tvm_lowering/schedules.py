@@ -39,7 +39,6 @@ class Injective(CPUScheduleRule):
             if math.prod(extents) >= _MIN_PARALLEL:  # small kernels stay as they are (and their libm calls scalar)
                 _vectorize_innermost(sch, loops, extents)
         return sch
-        return sch
 
 
 class ColumnReduction(CPUScheduleRule):
@@ -129,10 +128,17 @@ def _writes_own_point(block) -> bool:
     the data says, and running its iterations in parallel would race.
     """
     own = {iv.var for iv in block.iter_vars}
+    # iterators that take more than one value: each must pick the written element
+    varying = [iv.var for iv in block.iter_vars if not (isinstance(iv.dom.extent, tirx.IntImm) and iv.dom.extent.value == 1)]
     for region in block.writes:
         if any(not (isinstance(r.extent, tirx.IntImm) and r.extent.value == 1) for r in region.region):
             return False
-        if any(not isinstance(r.min, tirx.Var) or r.min not in own for r in region.region):
+        # an index is an iterator or a constant (expand_dims writes out[0, i, j])
+        if any(not (isinstance(r.min, tirx.IntImm) or (isinstance(r.min, tirx.Var) and r.min in own))
+               for r in region.region):
+            return False
+        named = {r.min for r in region.region if isinstance(r.min, tirx.Var)}
+        if any(v not in named for v in varying):
             return False
         if any(read.source.same_as(region.source) for read in block.reads):
             return False
