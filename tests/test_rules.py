@@ -269,9 +269,11 @@ def test_full_with_special_and_lifted_fill_values():
     )
 
 
-@pytest.mark.parametrize("shape,dims", [((64, 48), [0]), ((5, 3, 32), [0, 1]), ((4, 7, 16, 3), [0, 3]), ((33, 10), [1])])
+@pytest.mark.parametrize("shape,dims", [((64, 48), [0]), ((5, 3, 32), [0, 1]), ((4, 7, 16, 3), [0, 3]), ((33, 10), [1]),
+                                        ((64, 128), [1]), ((8, 16, 48), [1, 2])])
 def test_reductions_over_leading_and_trailing_dims(shape, dims):
-    # sum over a non-contiguous axis has its own CPU schedule (ColumnReduction in schedules.py)
+    # sum over a non-contiguous axis has its own CPU schedule (ColumnReduction in schedules.py),
+    # and so has one over the contiguous axes of a large enough input (RowReduction)
     check(lambda x: (x.sum(dims), x.mean(dims, keepdim=True), x.amax(dims)), rnd(*shape), ops=["sum.dim_IntList"])
 
 
@@ -297,6 +299,27 @@ def test_column_reduction_of_a_product():
     out = te.compute((32,), lambda k: te.sum(prod[i, j, k], axis=[i, j]), name="out")
     assert ColumnReduction().apply(te.create_prim_func([a, b, out]), resolve_target("CPU").tvm, False) is not None
     check(lambda x, y: ((x * y).sum([0, 1]), (x * y).sum(0)), rnd(4, 8, 32), rnd(4, 8, 32), ops=["sum.dim_IntList"])
+
+
+def test_row_reduction_schedule():
+    """max/sum along rows keep 16 partial results per row (rfactor); argmax's (index, value)
+    reducer can't be split that way and is left alone."""
+    from tvm import te, tirx
+    from tvm_lowering.pipeline import resolve_target
+    from tvm_lowering.schedules import RowReduction
+
+    target = resolve_target("CPU").tvm
+    x = te.placeholder((64, 4, 128), name="x")
+    k = te.reduce_axis((0, 128))
+    row_max = te.compute((64, 4), lambda i, j: te.max(x[i, j, k], axis=k), name="row_max")
+    assert RowReduction().apply(te.create_prim_func([x, row_max]), target, False) is not None
+    k = te.reduce_axis((0, 128))
+    argmax = te.comm_reducer(lambda a, b: (tirx.Select(a[1] >= b[1], a[0], b[0]), tirx.max(a[1], b[1])),
+                             lambda t0, t1: (tirx.const(-1, t0), tirx.min_value(t1)), name="argmax")
+    idx, val = te.compute((64, 4), lambda i, j: argmax((k.var, x[i, j, k]), axis=k), name="am")
+    assert RowReduction().apply(te.create_prim_func([x, idx, val]), target, False) is None
+    check(lambda t: (t.amax(-1), t.sum(-1), (t * t).sum(-1, keepdim=True), t.argmax(-1)), rnd(64, 4, 128),
+          ops=["amax.default"])
 
 
 def test_elementwise_schedule_takes_constant_indices_but_not_races():
