@@ -146,14 +146,15 @@ class RowReduction(CPUScheduleRule):
         if lanes is None:
             return None
         s_loops, r_loops = loops[: len(spatial)], loops[len(spatial):]
-        kept = sch.fuse(*s_loops) if len(s_loops) > 1 else s_loops[0]
+        if len(s_loops) > 1:
+            sch.fuse(*s_loops)
         red = sch.fuse(*r_loops) if len(r_loops) > 1 else r_loops[0]
         _, inner = sch.split(red, [None, lanes])
         try:
             partial = sch.rfactor(inner, factor_axis=0)
         except Exception:  # noqa: BLE001 - a reducer rfactor can't split (argmax's pair)
             return None
-        rows_loop = sch.get_loops(partial)[0]  # `kept` now names the write-back's copy of it
+        rows_loop = sch.get_loops(partial)[0]  # the (fused) row loop, which rfactor gave the partials
         sch.reverse_compute_at(block, rows_loop)  # fold each row's partials right after computing them
         sch.parallel(rows_loop)
         sch.vectorize(sch.get_loops(partial)[-1])
