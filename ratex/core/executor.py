@@ -24,7 +24,7 @@ class Program:
     input's buffer (ENABLE_PARAM_ALIASING; see tvm_lowering/inplace.py).
     """
 
-    __slots__ = ("fn", "vm", "mod", "executable", "donate", "constant")
+    __slots__ = ("fn", "vm", "mod", "executable", "donate", "constant", "label")
 
     def __init__(self, executable, mod, device, donate=(), constant=()):
         """`executable`: a VMExecutable, or a runtime module loaded from the disk cache (mod None).
@@ -36,6 +36,7 @@ class Program:
         self.executable = executable
         self.donate = frozenset(donate)
         self.constant = tuple(constant)
+        self.label = None  # how errors name the graph (sync.py sets it at the first launch)
 
     def run(self, inputs: list) -> list:
         """Run on device data `inputs`; return device data, one per root."""

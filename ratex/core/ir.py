@@ -4,7 +4,7 @@ A value is a pair `(node, index)`. A node whose `op` is None is a leaf that
 holds device data. An op node keeps its ATen OpOverload, an argument template
 (`spec`) in which tensor arguments are `Slot(i)` markers for `inputs[i]`, and
 the metas of its outputs, known at trace time. `key` is the node's local
-structural identity (op, non-tensor arguments, output metas); the graph key
+structural identity (op's schema name, non-tensor arguments, output metas); the graph key
 adds how nodes connect. Once a node's outputs are computed they are kept in
 `results` and it stops holding on to its inputs.
 """
@@ -61,7 +61,7 @@ class Node:
         self.spec = spec
         self.inputs = inputs
         self.metas = metas
-        self.key = (op, spec, metas)
+        self.key = (_op_key(op) if op is not None else None, spec, metas)
         self.results = [None] * len(metas)
         self.origin = None  # user frames that recorded this node (kept only with RATEX_SAVE_IR)
 
@@ -86,6 +86,19 @@ class Node:
         if self.op is None:
             return f"Data({self.metas[0]})"
         return f"{self.op}({self.spec})"
+
+
+def _op_key(op) -> str:
+    """The op's schema name ('aten::add.Tensor') as it appears in node keys: a string, whose hash
+    Python caches (OpOverload.__hash__ is Python code, paid for every node of every graph key)."""
+    name = _op_keys.get(id(op))
+    if name is None:
+        _op_keys[id(op)] = name = op.name()
+        _ops_kept.append(op)  # ids stay valid while the op lives
+    return name
+
+
+_op_keys, _ops_kept = {}, []
 
 
 def op_name(op) -> str:

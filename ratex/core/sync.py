@@ -147,7 +147,9 @@ def _execute(values: list, overwrites=()):
         else:
             metrics.counter_inc("CachedCompile")
         inputs = [node.results[idx] for node, idx in graph.leaves]
-        job = launch.Job(program, inputs, roots, f"graph {_label(graph)} ({len(graph.nodes)} ops)")
+        if program.label is None:  # for error messages; naming it hashes the whole key again
+            program.label = f"graph {_label(graph)} ({len(graph.nodes)} ops)"
+        job = launch.Job(program, inputs, roots, program.label)
         if donate:
             job.forget_rollback([graph.leaves[i] for i, _ in donate])
         for (node, idx), pending in zip(roots, job.pendings):
