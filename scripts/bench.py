@@ -52,6 +52,11 @@ what bounds the step. Waiting at a sync point inside the step (.item()) is not
 trace time, but an op with no lowering, run eagerly on the Python thread, is;
 programs/step and eager-fallback ops/step show such steps.
 
+Ratex cells run with ENABLE_PARAM_ALIASING=true, as the tutorial trains: a step
+writes parameters and optimizer state into their own buffers, as eager's in-place
+optimizer does (--no-param-aliasing: fresh buffers every step; the MLP's update
+kernels then write 3 new 3-4 MB tensors a step, and its steps take ~15% longer).
+
 Threads: every cell runs with --threads (default 1) OpenMP/MKL/TVM threads and
 torch.set_num_threads. On a shared machine, more threads than free cores make
 OpenMP kernels (eager's, inductor's, TVM's) spin and run tens of times slower.
@@ -292,6 +297,8 @@ def spawn(model, system, args):
         for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "TVM_NUM_THREADS"):
             env[var] = str(args.threads)
     tmp = None
+    if system in RATEX:  # the seed tutorial's setting: parameters and optimizer state update in place
+        env["ENABLE_PARAM_ALIASING"] = "false" if args.no_param_aliasing else "true"
     if not args.warm_cache:
         if system in RATEX:
             env["RATEX_CACHE_DIR"] = ""
@@ -467,6 +474,8 @@ def main():
                         "on a shared machine more threads than free cores make OpenMP kernels crawl")
     p.add_argument("--json", metavar="PATH", help="write every cell's measurements here")
     p.add_argument("--warm-cache", action="store_true", help="keep RATEX_CACHE_DIR (default: disable it)")
+    p.add_argument("--no-param-aliasing", action="store_true",
+                   help="run ratex with ENABLE_PARAM_ALIASING=false (default: true, as the tutorial trains)")
     p.add_argument("--verbose", action="store_true", help="print failing cells' stderr")
     p.add_argument("--serial", action="store_true",
                    help="wait for each step's program before the next step starts (no overlap of tracing and execution)")
@@ -489,6 +498,7 @@ def main():
           f"{args.repeats} repeat(s), timeout {args.timeout:g} s, "
           f"{args.threads if args.threads > 0 else 'default'} thread(s) per cell, "
           + ("serial steps, " if args.serial else "lazy steps pipelined (next step traced while one runs), ")
+          + f"ratex with ENABLE_PARAM_ALIASING={'false' if args.no_param_aliasing else 'true'}, "
           + "compile caches "
           + ("kept" if args.warm_cache else "disabled (RATEX_CACHE_DIR=\"\", fresh inductor cache dir: cold compile)"))
     print(flush=True)
