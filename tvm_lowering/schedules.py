@@ -48,34 +48,18 @@ class ColumnReduction(CPUScheduleRule):
 
     Unscheduled, it walks each output's reduced axis with a stride of a whole
     row (64x slower than torch for a 1024x1024 sum). Scheduled: loops become
-    [kept outer (parallel), reduced, kept inner (16 lanes, vectorized)], so every
-    step adds one contiguous vector of rows into 16 accumulators.
+    [kept outer (parallel), reduced, kept middle (up to 16 vectors), kept inner
+    (16 lanes, vectorized)], so each step adds a contiguous run of a row into
+    the accumulators.
     """
 
     def apply(self, func, target, _tunable):
         if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
             return None
-        sch = s_tir.Schedule(func)
-        infos = normalize_prim_func(sch)
-        if not infos:
+        found = _reduction_block(func)
+        if found is None:
             return None
-        *prologue, last = infos
-        if not all(info.is_injective() and _writes_own_point(sch.get(info.block_rv)) for info in prologue):
-            return None
-        for info in prologue:
-            try:
-                sch.compute_inline(info.block_rv)
-            except Exception:  # noqa: BLE001 - not inlinable: not this rule's kernel
-                return None
-        block = last.block_rv
-        stmt = sch.get(block)
-        kinds = [iv.iter_type for iv in stmt.iter_vars]
-        spatial = [iv.var for iv, k in zip(stmt.iter_vars, kinds) if k == tirx.IterVar.DataPar]
-        reduce = [k for k in kinds if k == tirx.IterVar.CommReduce]
-        if not last.is_reduction() or not spatial or not reduce or kinds != sorted(kinds):
-            return None  # dlight's iterator order is spatial first, then reduced
-        if any(str(w.source.dtype) == "bfloat16" for w in stmt.writes):
-            return None  # TVM's bfloat16 legalization fails on the vectorized accumulator store
+        sch, block, stmt, spatial, _ = found
         read = [r for r in stmt.reads if not any(r.source.same_as(w.source) for w in stmt.writes)]
         if not read or any(not r.region or not r.region[-1].min.same_as(spatial[-1]) for r in read):
             return None  # an input's contiguous axis is reduced: a row reduction, not ours
@@ -113,27 +97,10 @@ class RowReduction(CPUScheduleRule):
     def apply(self, func, target, _tunable):
         if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
             return None
-        sch = s_tir.Schedule(func)
-        infos = normalize_prim_func(sch)
-        if not infos or not infos[-1].is_reduction():
+        found = _reduction_block(func)
+        if found is None:
             return None
-        *prologue, last = infos
-        if not all(info.is_injective() and _writes_own_point(sch.get(info.block_rv)) for info in prologue):
-            return None
-        try:
-            for info in prologue:
-                sch.compute_inline(info.block_rv)
-        except Exception:  # noqa: BLE001 - not inlinable: not this rule's kernel
-            return None
-        block = last.block_rv
-        stmt = sch.get(block)
-        kinds = [iv.iter_type for iv in stmt.iter_vars]
-        spatial = [iv.var for iv, k in zip(stmt.iter_vars, kinds) if k == tirx.IterVar.DataPar]
-        reduce = [iv.var for iv, k in zip(stmt.iter_vars, kinds) if k == tirx.IterVar.CommReduce]
-        if not spatial or not reduce or kinds != sorted(kinds):
-            return None
-        if any(str(w.source.dtype) == "bfloat16" for w in stmt.writes):
-            return None
+        sch, block, stmt, spatial, reduce = found
         read = [r for r in stmt.reads if not any(r.source.same_as(w.source) for w in stmt.writes)]
         if not read or any(not r.region or not r.region[-1].min.same_as(reduce[-1]) for r in read):
             return None  # some input isn't reduced along its contiguous axis
@@ -159,6 +126,32 @@ class RowReduction(CPUScheduleRule):
         sch.parallel(rows_loop)
         sch.vectorize(sch.get_loops(partial)[-1])
         return sch
+
+
+def _reduction_block(func):
+    """(schedule, block, its stmt, spatial vars, reduced vars) of a kernel that is one reduction,
+    spatial iterators first, after elementwise producers that inline into it; else None."""
+    sch = s_tir.Schedule(func)
+    infos = normalize_prim_func(sch)
+    if not infos or not infos[-1].is_reduction():
+        return None
+    *prologue, last = infos
+    if not all(info.is_injective() and _writes_own_point(sch.get(info.block_rv)) for info in prologue):
+        return None
+    try:
+        for info in prologue:
+            sch.compute_inline(info.block_rv)
+    except Exception:  # noqa: BLE001 - not inlinable: not a kernel these rules take
+        return None
+    stmt = sch.get(last.block_rv)
+    kinds = [iv.iter_type for iv in stmt.iter_vars]
+    spatial = [iv.var for iv, k in zip(stmt.iter_vars, kinds) if k == tirx.IterVar.DataPar]
+    reduce = [iv.var for iv, k in zip(stmt.iter_vars, kinds) if k == tirx.IterVar.CommReduce]
+    if not spatial or not reduce or kinds != sorted(kinds):
+        return None  # dlight's iterator order is spatial first, then reduced
+    if any(str(w.source.dtype) == "bfloat16" for w in stmt.writes):
+        return None  # TVM's bfloat16 legalization fails on the vectorized accumulator store
+    return sch, last.block_rv, stmt, spatial, reduce
 
 
 def _vectorize_innermost(sch, loops, extents):
