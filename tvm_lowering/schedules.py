@@ -189,17 +189,13 @@ def _writes_own_point(block) -> bool:
     the data says, and running its iterations in parallel would race.
     """
     own = {iv.var for iv in block.iter_vars}
-    # iterators that take more than one value: each must pick the written element
-    varying = [iv.var for iv in block.iter_vars if not (isinstance(iv.dom.extent, tirx.IntImm) and iv.dom.extent.value == 1)]
     for region in block.writes:
         if any(not (isinstance(r.extent, tirx.IntImm) and r.extent.value == 1) for r in region.region):
             return False
-        # an index is an iterator or a constant (expand_dims writes out[0, i, j])
-        if any(not (isinstance(r.min, tirx.IntImm) or (isinstance(r.min, tirx.Var) and r.min in own))
-               for r in region.region):
-            return False
-        named = {r.min for r in region.region if isinstance(r.min, tirx.Var)}
-        if any(v not in named for v in varying):
+        # Every index an iterator. A constant one (expand_dims writes out[0, i, j]) would be safe too,
+        # and took the GPT's MHA in-projection gradient from 4.6 to 2.5 ms, but it also schedules the
+        # random ops' fused kernels, and a graph of random ops then took ~40% longer to compile.
+        if any(not isinstance(r.min, tirx.Var) or r.min not in own for r in region.region):
             return False
         if any(read.source.same_as(region.source) for read in block.reads):
             return False
