@@ -54,15 +54,10 @@ class ColumnReduction(CPUScheduleRule):
     """
 
     def apply(self, func, target, _tunable):
-        if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
-            return None
-        found = _reduction_block(func)
+        found = _reduction_block(self, func, target, contiguous="kept")
         if found is None:
             return None
-        sch, block, stmt, spatial, _ = found
-        read = [r for r in stmt.reads if not any(r.source.same_as(w.source) for w in stmt.writes)]
-        if not read or any(not r.region or not r.region[-1].min.same_as(spatial[-1]) for r in read):
-            return None  # an input's contiguous axis is reduced: a row reduction, not ours
+        sch, block, spatial, _ = found
         loops = sch.get_loops(block)
         s_loops, r_loops = loops[: len(spatial)], loops[len(spatial):]
         extents = [get_extent(sch, loop) for loop in loops]
@@ -95,15 +90,10 @@ class RowReduction(CPUScheduleRule):
     """
 
     def apply(self, func, target, _tunable):
-        if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
-            return None
-        found = _reduction_block(func)
+        found = _reduction_block(self, func, target, contiguous="reduced")
         if found is None:
             return None
-        sch, block, stmt, spatial, reduce = found
-        read = [r for r in stmt.reads if not any(r.source.same_as(w.source) for w in stmt.writes)]
-        if not read or any(not r.region or not r.region[-1].min.same_as(reduce[-1]) for r in read):
-            return None  # some input isn't reduced along its contiguous axis
+        sch, block, spatial, _ = found
         loops = sch.get_loops(block)
         extents = [get_extent(sch, loop) for loop in loops]
         if any(not isinstance(e, int) for e in extents) or math.prod(extents) < _MIN_PARALLEL:
@@ -128,9 +118,12 @@ class RowReduction(CPUScheduleRule):
         return sch
 
 
-def _reduction_block(func):
-    """(schedule, block, its stmt, spatial vars, reduced vars) of a kernel that is one reduction,
-    spatial iterators first, after elementwise producers that inline into it; else None."""
+def _reduction_block(rule, func, target, contiguous):
+    """(schedule, block, spatial vars, reduced vars) of a kernel that is one reduction, spatial
+    iterators first, after elementwise producers that inline into it, whose inputs are contiguous
+    along the last "kept" (spatial) or "reduced" axis; else None."""
+    if not isinstance(func, tirx.PrimFunc) or not rule.is_target_available(target):
+        return None
     sch = s_tir.Schedule(func)
     infos = normalize_prim_func(sch)
     if not infos or not infos[-1].is_reduction():
@@ -151,7 +144,11 @@ def _reduction_block(func):
         return None  # dlight's iterator order is spatial first, then reduced
     if any(str(w.source.dtype) == "bfloat16" for w in stmt.writes):
         return None  # TVM's bfloat16 legalization fails on the vectorized accumulator store
-    return sch, last.block_rv, stmt, spatial, reduce
+    axis = spatial[-1] if contiguous == "kept" else reduce[-1]
+    read = [r for r in stmt.reads if not any(r.source.same_as(w.source) for w in stmt.writes)]
+    if not read or any(not r.region or not r.region[-1].min.same_as(axis) for r in read):
+        return None  # an input runs contiguously along another axis: the other rule's kernel
+    return sch, last.block_rv, spatial, reduce
 
 
 def _vectorize_innermost(sch, loops, extents):
