@@ -1,7 +1,8 @@
 """Tracing: how one ATen call on lazy tensors becomes IR, a view, a write, or an eager run.
 
 `dispatch` is the whole policy, in order:
-  1. handlers for ops that need care (sync points, copies, fills, multi-output views),
+  1. handlers for ops that need care (sync points, copies, fills, multi-output views,
+     detach, and in-place arithmetic on same-shape operands, recorded without result tensors),
   2. Python decompositions (foreach ops, alpha/value scalars) into simpler ATen ops,
   3. view ops: share the base's Storage, extend the view chain,
   4. in-place and out= ops: compute functionally, then write through the view chain,
@@ -163,18 +164,20 @@ def _functional(func, args, kwargs):
         return _decomposed_or_eager(*given, kwargs, None)
     if _all_empty(out):
         return _empty_outputs(out)
-    if _lowered_counter(func) is None:
+    counter = _lowered_counter(func)
+    if counter is None:
         return _decomposed_or_eager(*given, kwargs, out)
-    node = _new_node(func, spec, values, out)
+    node = _new_node(func, spec, values, out, counter)
     return eager(*given, kwargs) if node is None else _wrap(node, out)
 
 
-def _new_node(func, spec, values, out):
-    """Record a node of a lowered op; None where its rule failed on this very node before."""
+def _new_node(func, spec, values, out, counter):
+    """Record a node of a lowered op (its counter `ratex::<op>`); None where its rule failed
+    on this very node before."""
     node = Node(func, spec, tuple(values), out.metas, multi=out.kind != "tensor")
     if sync.unlowerable and node.key in sync.unlowerable:
         return None
-    metrics.counter_inc(_lowered_counter(func))
+    metrics.counter_inc(counter)
     return node
 
 
@@ -190,8 +193,9 @@ def _value_op(func, *args):
         out = shape.infer(func, spec, metas)
     except shape.NoMeta:
         out = None
-    if out is not None and out.kind == "tensor" and _lowered_counter(func) is not None and not _all_empty(out):
-        node = _new_node(func, spec, values, out)
+    counter = _lowered_counter(func) if out is not None and out.kind == "tensor" and not _all_empty(out) else None
+    if counter is not None:
+        node = _new_node(func, spec, values, out, counter)
         if node is not None:
             return _V((node, 0))
     return dispatch(func, args, {})
