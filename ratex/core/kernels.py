@@ -34,17 +34,26 @@ def _attrs(text: str) -> dict:
 
 
 def _t(x, transposed):
+    """x as a torch tensor; with `transposed`, its last two axes swapped (a strided view)."""
     t = torch.from_dlpack(x)
-    return t.t() if transposed else t
+    return t.transpose(-2, -1) if transposed else t
 
 
 def _out(t):
     return tvm.runtime.from_dlpack(t.contiguous())
 
 
-def _mm_out(a, b, attrs, out):
-    cfg = _attrs(attrs)
-    torch.mm(_t(a, cfg["ta"]), _t(b, cfg["tb"]), out=torch.from_dlpack(out))
+def _product_out(fn):
+    """mm/bmm/matmul into `out`, operands transposed in their last two axes where flagged."""
+
+    def kernel(a, b, attrs, out):
+        cfg = _attrs(attrs)
+        fn(_t(a, cfg["ta"]), _t(b, cfg["tb"]), out=torch.from_dlpack(out))
+
+    return kernel
+
+
+_mm_out, _bmm_out, _matmul_out = _product_out(torch.mm), _product_out(torch.bmm), _product_out(torch.matmul)
 
 
 def _addmm_out(bias, a, b, attrs, out):
@@ -53,12 +62,6 @@ def _addmm_out(bias, a, b, attrs, out):
         torch.from_dlpack(bias), _t(a, cfg["ta"]), _t(b, cfg["tb"]), beta=cfg["beta"], alpha=cfg["alpha"],
         out=torch.from_dlpack(out),
     )
-
-
-def _bmm_out(a, b, attrs, out):
-    cfg = _attrs(attrs)
-    a, b = torch.from_dlpack(a), torch.from_dlpack(b)
-    torch.bmm(a.transpose(1, 2) if cfg["ta"] else a, b.transpose(1, 2) if cfg["tb"] else b, out=torch.from_dlpack(out))
 
 
 def _convolution(*args):
@@ -120,12 +123,6 @@ def _avg_pool2d_backward(dy, x, attrs):
         cfg["count_include_pad"], None,
     )
     return _out(out)
-
-
-def _matmul_out(a, b, attrs, out):
-    cfg = _attrs(attrs)
-    a, b = torch.from_dlpack(a), torch.from_dlpack(b)
-    torch.matmul(a.transpose(-2, -1) if cfg["ta"] else a, b.transpose(-2, -1) if cfg["tb"] else b, out=torch.from_dlpack(out))
 
 
 def _convolution_backward(g, x, w, attrs):
