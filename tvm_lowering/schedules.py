@@ -13,6 +13,7 @@ import math
 
 from tvm import s_tir, tirx
 from tvm.s_tir import dlight
+from tvm.s_tir.analysis import estimate_tir_flops
 from tvm.s_tir.dlight.analysis import normalize_prim_func
 from tvm.s_tir.dlight.base.common_schedules import try_inline
 from tvm.s_tir.dlight.base.utils import get_extent
@@ -20,6 +21,7 @@ from tvm.s_tir.dlight.cpu.base import CPUScheduleRule
 
 _VECTOR = 16  # float32 lanes of one AVX-512 register; LLVM splits it for narrower ISAs
 _MIN_PARALLEL = 4096  # below this a parallel region costs more than it saves
+_INLINE_MAX_OPS = 64  # a producer above this many operations an element is not inlined
 
 
 class Injective(CPUScheduleRule):
@@ -32,7 +34,13 @@ class Injective(CPUScheduleRule):
         infos = normalize_prim_func(sch)
         if not infos or not all(info.is_injective() and _writes_own_point(sch.get(info.block_rv)) for info in infos):
             return None
-        for info in try_inline(sch, list(infos)):
+        # Inlining copies a producer's expression into every load of it, and loads of loads
+        # multiply: erfinv's backward (~2900 ops an element) once grew a kernel to 300 KB of
+        # TIR that took 96 s to compile (2.7 s left alone). Costly producers -- the random
+        # bits' hash, special functions -- stay loops of their own; none of the benchmark
+        # models' other kernels has a block above 6 ops an element.
+        costly = [info for info in infos if estimate_tir_flops(sch.get(info.block_rv).body) > _INLINE_MAX_OPS]
+        for info in costly + try_inline(sch, [info for info in infos if info not in costly]):
             loops = sch.get_loops(info.block_rv)
             extents = [get_extent(sch, loop) for loop in loops]
             if not loops or any(not isinstance(e, int) or e <= 0 for e in extents):
@@ -186,13 +194,17 @@ def _writes_own_point(block) -> bool:
     the data says, and running its iterations in parallel would race.
     """
     own = {iv.var for iv in block.iter_vars}
+    # iterators that take more than one value: each must pick the written element
+    varying = [iv.var for iv in block.iter_vars if not (isinstance(iv.dom.extent, tirx.IntImm) and iv.dom.extent.value == 1)]
     for region in block.writes:
         if any(not (isinstance(r.extent, tirx.IntImm) and r.extent.value == 1) for r in region.region):
             return False
-        # Every index an iterator. A constant one (expand_dims writes out[0, i, j]) would be safe too,
-        # and took the GPT's MHA in-projection gradient from 4.6 to 2.5 ms, but it also schedules the
-        # random ops' fused kernels, and a graph of random ops then took ~40% longer to compile.
-        if any(not isinstance(r.min, tirx.Var) or r.min not in own for r in region.region):
+        # an index is an iterator or a constant (expand_dims writes out[0, i, j])
+        if any(not (isinstance(r.min, tirx.IntImm) or (isinstance(r.min, tirx.Var) and r.min in own))
+               for r in region.region):
+            return False
+        named = {r.min for r in region.region if isinstance(r.min, tirx.Var)}
+        if any(v not in named for v in varying):
             return False
         if any(read.source.same_as(region.source) for read in block.reads):
             return False
