@@ -43,3 +43,37 @@ def test_optimizer_matches_cpu(dev, name):
         torch.testing.assert_close(p.cpu(), q, rtol=1e-4, atol=1e-5)
     assert len(set(compiles[1:])) == 1, f"recompiled after the first step: {compiles}"
     assert not [c for c in metrics.counter_names() if c.startswith("aten::")]
+
+
+# Each runs on three lists (a, b, c) of tensors of different shapes; in-place ones return None.
+FOREACH_CALLS = {
+    "add_ list alpha": lambda a, b, c: torch._foreach_add_(a, b, alpha=-0.3),
+    "sub_ scalar": lambda a, b, c: torch._foreach_sub_(a, 0.25),
+    "mul_ scalarlist": lambda a, b, c: torch._foreach_mul_(a, [0.5, 2.0, -1.5]),
+    "div_ list": lambda a, b, c: torch._foreach_div_(a, c),
+    "addcmul_ scalar": lambda a, b, c: torch._foreach_addcmul_(a, b, c, value=0.1),
+    "addcdiv_ scalarlist": lambda a, b, c: torch._foreach_addcdiv_(a, b, c, [0.1, 0.2, 0.3]),
+    "lerp_ scalar": lambda a, b, c: torch._foreach_lerp_(a, b, 0.3),
+    "lerp_ list": lambda a, b, c: torch._foreach_lerp_(a, b, c),
+    "sqrt": lambda a, b, c: torch._foreach_sqrt(c),
+    "neg_ then add": lambda a, b, c: (torch._foreach_neg_(a), torch._foreach_add(a, b))[1],
+    "reciprocal_ zero_": lambda a, b, c: (torch._foreach_reciprocal_(c), torch._foreach_zero_(b)),
+    "maximum (generic path)": lambda a, b, c: torch._foreach_maximum(a, b),
+}
+
+
+@pytest.mark.parametrize("name", FOREACH_CALLS)
+def test_foreach_ops_match_cpu(dev, name):
+    """Foreach ops on lazy lists equal CPU PyTorch's, results and in-place targets, all recorded."""
+    g = torch.Generator().manual_seed(2)
+    shapes = [(3, 4), (5,), (2, 2, 3)]
+    cpu = [[torch.randn(s, generator=g) for s in shapes] for _ in range(2)]
+    cpu.append([torch.rand(s, generator=g) + 0.5 for s in shapes])  # positive: sqrt, division
+    lazy = [[t.to(dev) for t in ts] for ts in cpu]
+    metrics.reset()
+    got, want = FOREACH_CALLS[name](*lazy), FOREACH_CALLS[name](*cpu)
+    lm.mark_step()
+    torch.testing.assert_close(got, want, check_device=False)
+    for lazy_list, cpu_list in zip(lazy, cpu):
+        torch.testing.assert_close([t.cpu() for t in lazy_list], cpu_list)
+    assert not [c for c in metrics.counter_names() if c.startswith("aten::")]

@@ -435,8 +435,31 @@ def _foreach(func, args, kwargs):
     def pick(a, i):
         return a[i] if isinstance(a, (list, tuple)) and len(a) == n else a
 
-    results = [per_op(*[pick(a, i) for a in args], **{k: pick(v, i) for k, v in kwargs.items()}) for i in range(n)]
+    # The overload torch would pick per element, where it is known: calling ratex's own route
+    # for it skips torch's dispatcher (~8 us an element into a Python subclass). The elements
+    # are all lazy tensors, so the call would have come straight back here anyway.
+    element = _FOREACH_ELEMENT.get(name, {}).get(func._overloadname)
+    if element is not None and all(type(t) is tensor.LazyTensor for t in call[0][0]):
+        op = getattr(per_op, element)
+        results = [dispatch(op, [pick(a, i) for a in args], {k: pick(v, i) for k, v in kwargs.items()})
+                   for i in range(n)]
+    else:
+        results = [per_op(*[pick(a, i) for a in args], **{k: pick(v, i) for k, v in kwargs.items()})
+                   for i in range(n)]
     return None if name.endswith("_") else list(results)
+
+
+# The per-element overload torch resolves for a foreach op's overload, with a lazy tensor
+# first (t.add_(t2) and t.add_(0.5) both reach add_.Tensor); the ops optimizers use.
+_ARITH = {"List": "Tensor", "Scalar": "Tensor", "ScalarList": "Tensor"}
+_EACH = {"Scalar": "default", "ScalarList": "default"}
+_UNARY = {"default": "default"}
+_FOREACH_ELEMENT = {
+    **{op + tail: _ARITH for op in ("add", "sub", "mul", "div") for tail in ("", "_")},
+    "addcmul_": _EACH, "addcdiv_": _EACH, "addcmul": _EACH, "addcdiv": _EACH,
+    "lerp_": {"Scalar": "Scalar", "List": "Tensor"},
+    **{op: _UNARY for op in ("sqrt", "sqrt_", "neg", "neg_", "reciprocal", "reciprocal_", "zero_")},
+}
 
 
 # ---- views -------------------------------------------------------------------
