@@ -12,6 +12,7 @@ fit a kernel leaves it as it was.
 """
 import math
 
+import tvm
 from tvm import s_tir, tirx
 from tvm.s_tir import dlight
 from tvm.s_tir.analysis import estimate_tir_flops
@@ -40,7 +41,7 @@ class Injective(CPUScheduleRule):
         # TIR that took 96 s to compile (2.7 s left alone). Costly producers -- the random
         # bits' hash, special functions -- stay loops of their own; none of the benchmark
         # models' other kernels has a block above 6 ops an element.
-        costly = [info for info in infos if estimate_tir_flops(sch.get(info.block_rv).body) > _INLINE_MAX_OPS]
+        costly = [info for info in infos if _ops_per_element(sch, info.block_rv) > _INLINE_MAX_OPS]
         for info in costly + try_inline(sch, [info for info in infos if info not in costly]):
             loops = sch.get_loops(info.block_rv)
             extents = [get_extent(sch, loop) for loop in loops]
@@ -158,6 +159,15 @@ def _reduction_block(rule, func, target, contiguous):
     if not read or any(not r.region or not r.region[-1].min.same_as(axis) for r in read):
         return None  # an input runs contiguously along another axis: the other rule's kernel
     return sch, last.block_rv, spatial, reduce
+
+
+def _ops_per_element(sch, block_rv) -> float:
+    """Operations one iteration of a block computes, counted as a tree (as the inliner copies
+    them); unknown (a `let` inside, which TVM's counter does not take) counts as costly."""
+    try:
+        return estimate_tir_flops(sch.get(block_rv).body)
+    except tvm.error.InternalError:
+        return math.inf
 
 
 def _vectorize_innermost(sch, loops, extents):
