@@ -441,12 +441,11 @@ def _foreach(func, args, kwargs):
     element = _FOREACH_ELEMENT.get(name, {}).get(func._overloadname)
     if element is not None and all(type(t) is tensor.LazyTensor for t in call[0][0]):
         op = getattr(per_op, element)
-        results = [dispatch(op, [pick(a, i) for a in args], {k: pick(v, i) for k, v in kwargs.items()})
-                   for i in range(n)]
+        run = lambda a, k: dispatch(op, a, k)  # noqa: E731
     else:
-        results = [per_op(*[pick(a, i) for a in args], **{k: pick(v, i) for k, v in kwargs.items()})
-                   for i in range(n)]
-    return None if name.endswith("_") else list(results)
+        run = lambda a, k: per_op(*a, **k)  # noqa: E731
+    results = [run([pick(a, i) for a in args], {k: pick(v, i) for k, v in kwargs.items()}) for i in range(n)]
+    return None if name.endswith("_") else results
 
 
 # The per-element overload torch resolves for a foreach op's overload, with a lazy tensor
