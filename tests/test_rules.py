@@ -367,6 +367,44 @@ def test_elementwise_schedule_keeps_costly_producers_loops_of_their_own():
     assert sch.get_sblock("random_bits") is not None  # raises if it was inlined away
 
 
+def test_contraction_schedule_tiles_products_and_leaves_the_rest():
+    """Matmul and convolutions (sums of products) get register tiles: a vectorized output axis,
+    unrolled rows, a local accumulator, tiles in parallel, and the epilogue (here relu) applied
+    on write-back. A sum of one operand, or of a square, is not theirs."""
+    from tvm import te, topi
+    from tvm_lowering.pipeline import resolve_target
+    from tvm_lowering.schedules import Contraction
+
+    target = resolve_target("CPU").tvm
+    a, b = te.placeholder((64, 48), name="a"), te.placeholder((48, 32), name="b")
+    k = te.reduce_axis((0, 48))
+    mm = te.compute((64, 32), lambda i, j: te.sum(a[i, k] * b[k, j], axis=k), name="mm")
+    relu = te.compute(mm.shape, lambda i, j: te.max(mm[i, j], 0.0), name="relu")
+    sch = Contraction().apply(te.create_prim_func([a, b, relu]), target, False)
+    assert sch is not None
+    text = sch.mod["main"].script()
+    for piece in ("T.vectorized(16)", "T.unroll(8)", 'scope="local"', "T.parallel(16)", "T.max(mm_local"):
+        assert piece in text, piece
+    x, w = te.placeholder((2, 4, 9, 9), name="x"), te.placeholder((6, 4, 3, 3), name="w")
+    conv = topi.nn.conv2d_nchw(x, w, stride=2, padding=1, dilation=1)
+    assert Contraction().apply(te.create_prim_func([x, w, conv]), target, False) is not None
+    total = te.compute((64,), lambda i: te.sum(a[i, k], axis=k), name="total")
+    square = te.compute((64,), lambda i: te.sum(a[i, k] * a[i, k] + 1.0, axis=k), name="square")
+    for func in (te.create_prim_func([a, total]), te.create_prim_func([a, square])):
+        assert Contraction().apply(func, target, False) is None
+
+
+@pytest.mark.parametrize("m,k,n", [(7, 13, 11), (37, 5, 53), (1, 400, 120), (64, 3, 32)])
+def test_contraction_schedule_matches_cpu_on_odd_shapes(m, k, n):
+    """Tiles cut each axis by a divisor of its length (no remainder loops): prime lengths,
+    a prime output row longer than a vector (53: no vector), one row."""
+    check(lambda x, y, z, bias: (torch.mm(x, y), torch.addmm(bias, x, y).relu(), torch.bmm(z, z.transpose(1, 2))),
+          rnd(m, k), rnd(k, n), rnd(3, m, k), rnd(n), ops=["mm.default", "bmm.default"])
+    x, w = rnd(2, 4, 11, 13), rnd(6, 2, 3, 5)
+    check(lambda x, w: F.conv2d(x, w, stride=(2, 1), padding=(1, 2), dilation=(1, 2), groups=2), x, w,
+          ops=["convolution.default"])
+
+
 @pytest.mark.parametrize("reduction", [0, 1, 2])
 @pytest.mark.parametrize("weighted", [False, True])
 def test_nll_loss(reduction, weighted):
