@@ -400,6 +400,9 @@ def test_contraction_schedule_matches_cpu_on_odd_shapes(m, k, n):
     a prime output row longer than a vector (53: no vector), one row."""
     check(lambda x, y, z, bias: (torch.mm(x, y), torch.addmm(bias, x, y).relu(), torch.bmm(z, z.transpose(1, 2))),
           rnd(m, k), rnd(k, n), rnd(3, m, k), rnd(n), ops=["mm.default", "bmm.default"])
+    # an epilogue that reads the bias-added product twice: not a chain to write back through
+    check(lambda x, y, bias: (lambda h: torch.exp(h * 0.1) + torch.tanh(h))(torch.addmm(bias, x, y)),
+          rnd(m, k), rnd(k, n), rnd(n), ops=["addmm.default"])
     x, w = rnd(2, 4, 11, 13), rnd(6, 2, 3, 5)
     check(lambda x, w: F.conv2d(x, w, stride=(2, 1), padding=(1, 2), dilation=(1, 2), groups=2), x, w,
           ops=["convolution.default"])

@@ -87,6 +87,8 @@ class Contraction(CPUScheduleRule):
         found = _multiply_add(block)
         if found is None or str(found[0].buffer.dtype) not in ("float32", "float64"):
             return None
+        if any(str(w.source.dtype) == "bfloat16" for info in infos for w in sch.get(info.block_rv).writes):
+            return None  # TVM's bfloat16 legalization fails on vectorized stores (see _reduction_block)
         store, operands = found
         kinds = [iv.iter_type for iv in block.iter_vars]
         spatial = [iv.var for iv in block.iter_vars if iv.iter_type == tirx.IterVar.DataPar]
@@ -133,11 +135,7 @@ class Contraction(CPUScheduleRule):
             sch.unroll(inner[0])
         write_back = sch.cache_write(main.block_rv, 0, "local")
         sch.reverse_compute_at(write_back, tiles)
-        for info in infos[infos.index(main) + 1:]:
-            try:  # the epilogue (bias, activation) is applied as the tile is written back
-                sch.reverse_compute_inline(info.block_rv)
-            except s_tir.ScheduleError:
-                pass  # stays a loop of its own after the tiles
+        _inline_epilogue(sch, infos[infos.index(main):], str(store.buffer.name))
         sch.decompose_reduction(main.block_rv, r_loops[0])
         back = sch.get_loops(write_back)
         if lanes > 1 and len(back) > 1 and get_extent(sch, back[-1]) == lanes:
@@ -148,6 +146,35 @@ class Contraction(CPUScheduleRule):
             if producer and all(isinstance(e, int) and e > 0 for e in sizes) and math.prod(sizes) >= _MIN_PARALLEL:
                 _vectorize_innermost(sch, producer, sizes)
         return sch
+
+
+def _inline_epilogue(sch, infos, first):
+    """Apply the elementwise blocks after the contraction (infos[0], writing buffer `first`) as
+    its tile is written back, while they form a chain: each is the only reader of the block
+    before it and reads nothing else the kernel computes. (TVM inlined t1 = tanh(h) with
+    t2 = exp(h) + t1 still reading h, and left t2 a load of the removed h: the kernel failed
+    to build.) The rest are fused among themselves as the Injective rule fuses a kernel."""
+    blocks = [sch.get(info.block_rv) for info in infos[1:]]
+    computed = {first} | {str(region.source.name) for block in blocks for region in block.writes}
+    chain, inlined = first, []
+    for info, block in zip(infos[1:], blocks):
+        read = {str(region.source.name) for region in block.reads} & computed
+        readers = sum(chain in {str(region.source.name) for region in other.reads} for other in blocks)
+        if read != {chain} or readers != 1:
+            break
+        try:
+            sch.reverse_compute_inline(info.block_rv)
+        except s_tir.ScheduleError:
+            break
+        chain = str(block.writes[0].source.name)
+        inlined.append(info)
+    rest = [info for info in infos[1:] if info not in inlined]
+    costly = [info for info in rest if _ops_per_element(sch, info.block_rv) > _INLINE_MAX_OPS]
+    for info in costly + try_inline(sch, [info for info in rest if info not in costly]):
+        loops = sch.get_loops(info.block_rv)
+        sizes = [get_extent(sch, loop) for loop in loops]
+        if loops and all(isinstance(e, int) and e > 0 for e in sizes) and math.prod(sizes) >= _MIN_PARALLEL:
+            _vectorize_innermost(sch, loops, sizes)
 
 
 def _multiply_add(block):
