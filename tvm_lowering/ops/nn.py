@@ -426,3 +426,33 @@ def avg_pool(imp, node):
     divisor = arg(node, 6, "divisor_override", None)
     out_shape, _ = out_meta(node)
     return emit_te(imp, _avg_pool_te, x, kernel, stride, padding, out_shape[-n:], cip, divisor)
+
+
+# ---- matrix products (when not sent to the kernel library) ------------------------------
+# TVM's translator gives mm/bmm/addmm a float32 result whatever the inputs (a float64 product
+# came back float32) and reads addmm's alpha and beta from keywords only. Half-precision
+# products accumulate in float32, as PyTorch's CPU kernels do.
+def _matmul(imp, a, b, dt):
+    acc = "float32" if dt in ("float16", "bfloat16") else dt
+    out = emit(imp, relax.op.matmul(a, b, out_dtype=acc))
+    return out if acc == dt else emit(imp, relax.op.astype(out, dt))
+
+
+@rule("mm.default", "bmm.default")
+def matrix_product(imp, node):
+    return _matmul(imp, env(imp, node.args[0]), env(imp, node.args[1]), out_meta(node)[1])
+
+
+@rule("addmm.default")
+def addmm(imp, node):
+    dt = out_meta(node)[1]
+    bias, a, b = (env(imp, x) for x in node.args[:3])
+    beta, alpha = arg(node, 3, "beta", 1), arg(node, 4, "alpha", 1)
+    out = _matmul(imp, a, b, dt)
+    if alpha != 1:
+        out = emit(imp, relax.op.multiply(out, scalar(alpha, dt)))
+    if beta == 0:  # PyTorch ignores the bias then, NaN included
+        return out
+    if beta != 1:
+        bias = emit(imp, relax.op.multiply(bias, scalar(beta, dt)))
+    return emit(imp, relax.op.add(bias, out))
