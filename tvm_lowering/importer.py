@@ -29,6 +29,7 @@ class Importer(ExportedProgramImporter):
     """TVM's ATen importer with ratex's rules layered on top."""
 
     library = False  # dispatch heavy ops to the kernel library (see ops/library.py)
+    library_min_macs = 0  # ... those of at least this many multiply-adds
     # The module is built for the CPU: rules may emit TIR loops that run on the host (ops/indexing.py's
     # serial scatters and scans), which a CUDA build would leave on the host, reading device memory.
     host_kernels = False
@@ -94,16 +95,18 @@ def _check(node: fx.Node, expr: relax.Expr):
 
 
 def import_graph(graph: fx.Graph, name: str = "main", library: bool = False, host_kernels: bool = False,
-                 differentiable: bool = False) -> IRModule:
+                 differentiable: bool = False, library_min_macs: int = 0) -> IRModule:
     """Return an IRModule whose `name` function computes `graph`'s outputs as a tuple.
 
     With `library`, matmul and convolution become calls to the `ratex.lib.*`
-    kernel library instead of TVM-generated code. `host_kernels` says the module
+    kernel library instead of TVM-generated code (those of fewer than
+    `library_min_macs` multiply-adds excepted). `host_kernels` says the module
     will be built for the CPU (see Importer.host_kernels); `differentiable`, that
     Relax's Gradient will differentiate it (see Importer.__init__).
     """
     imp = Importer(differentiable)
     imp.library = library
+    imp.library_min_macs = library_min_macs
     imp.host_kernels = host_kernels
     bb = relax.BlockBuilder()
     imp.block_builder = bb

@@ -5,6 +5,8 @@ this pass covers what is only Relax by the time it exists — the functions
 that `ratex.jit.script` converts and differentiates with relax Gradient. It
 rewrites each such call into `call_pure_packed("ratex.lib.<op>", ...)`, whose
 implementations the runtime side registers (ratex/core/kernels.py).
+
+Small products stay TVM code under `RATEX_KERNELS=auto` (`AUTO_MIN_MACS`).
 """
 import json
 
@@ -14,6 +16,25 @@ from tvm import relax
 from .simplify import rewrite_functions
 
 _FLOATS = ("float32", "float64")
+
+# Under RATEX_KERNELS=auto, a matmul or convolution of fewer multiply-adds than this runs as
+# TVM code (schedules.Contraction), larger ones in the library. PyTorch's CPU convolution
+# costs ~100 us a call however small (LeNet-5 at batch 1: 0.1-0.5 M multiply-adds, 100-230 us
+# each in torch, 5-17 us each as TVM code; its step's program 0.93 -> 0.37 ms), while TVM's
+# tiles reach ~60% of torch's sgemm on large matmuls (MLP 128x1024x1024: 4.7 vs 2.7 ms).
+AUTO_MIN_MACS = 1 << 20
+
+
+def worth_library(macs: int, min_macs: int) -> bool:
+    """Whether an op of `macs` multiply-adds goes to the library when ops from `min_macs` up do."""
+    return macs >= min_macs
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
 _PERMUTE = tvm.ir.Op.get("relax.permute_dims")
 
 
@@ -35,12 +56,18 @@ def _either(rewritten, call):
 
 @relax.expr_functor.mutator
 class _Dispatch(relax.PyExprMutator):
+    def __init__(self, mod, min_macs=0):
+        super().__init__(mod)
+        self.min_macs = min_macs
+
     def visit_call_(self, call):
         call = super().visit_call_(call)
         if not isinstance(call.op, tvm.ir.Op) or _dtype(call) not in _FLOATS:
             return call
         name = call.op.name
         a = call.attrs
+        if name in _PRODUCTS and not worth_library(_products_macs(name, call), self.min_macs):
+            return call
         if name == "relax.nn.conv2d" and (a.data_layout, a.kernel_layout, a.out_layout) == ("NCHW", "OIHW", "NCHW"):
             cfg = _attrs(stride=_ints(a.strides), padding=_ints(a.padding), dilation=_ints(a.dilation), groups=int(a.groups))
             return self._packed("conv2d", call, [*call.args, cfg])
@@ -112,7 +139,28 @@ class _Dispatch(relax.PyExprMutator):
         return relax.op.call_pure_packed(f"ratex.lib.{name}", *args, ty_args=call.ty)
 
 
-@tvm.transform.module_pass(opt_level=0, name="RatexLibraryDispatch")
-def library_dispatch(mod, _ctx):
-    """Rewrite conv2d / conv2d_transpose / matmul calls into ratex.lib.* packed calls."""
-    return rewrite_functions(_Dispatch(mod), mod)
+_PRODUCTS = ("relax.nn.conv2d", "relax.nn.conv2d_transpose", "relax.matmul")
+
+
+def _products_macs(name, call) -> int:
+    """Multiply-adds of a conv2d / conv2d_transpose / matmul call."""
+    out = _numel(call.ty.shape)
+    if name == "relax.matmul":
+        return out * int(call.args[0].ty.shape[-1])
+    w = _ints(call.args[1].ty.shape)
+    out_channels = w[call.attrs.kernel_layout.index("O")]
+    return out * _numel(w) // max(out_channels, 1)  # each output reads a kernel's input slice
+
+
+def library_dispatch_pass(min_macs: int = 0):
+    """The pass rewriting conv2d / conv2d_transpose / matmul calls of at least `min_macs`
+    multiply-adds, and pooling gradients, into ratex.lib.* packed calls."""
+
+    @tvm.transform.module_pass(opt_level=0, name="RatexLibraryDispatch")
+    def dispatch(mod, _ctx):
+        return rewrite_functions(_Dispatch(mod, min_macs), mod)
+
+    return dispatch
+
+
+library_dispatch = library_dispatch_pass()

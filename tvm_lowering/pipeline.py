@@ -7,7 +7,7 @@ import tvm
 from tvm import relax
 
 from . import fastmath, inplace
-from .library_dispatch import library_dispatch
+from .library_dispatch import library_dispatch_pass
 from .simplify import fold_transposes
 from .schedules import cpu_schedule
 
@@ -75,27 +75,29 @@ def _stages(target: Target, donate=(), donated=None, kernel_pass=None) -> list:
     )
 
 
-def _passes(target: Target, library: bool, donate=(), donated=None, kernel_pass=None) -> list:
+def _passes(target: Target, library: bool, donate=(), donated=None, kernel_pass=None, library_min_macs=0) -> list:
     # CSE removes the forward that a script's backward recomputes; DCE what nothing reads.
     # fold_transposes composes the t(t(x)) chains autograd leaves (simplify.py).
     # The library dispatch folds transposes into matmul calls: DCE drops the transposes after it.
     cleanup = [relax.transform.EliminateCommonSubexpr(), fold_transposes]
     if library:
-        cleanup.append(library_dispatch)
+        cleanup.append(library_dispatch_pass(library_min_macs))
     cleanup.append(relax.transform.DeadCodeElimination())
     return cleanup + _stages(target, donate, donated, kernel_pass)
 
 
-def build(mod: tvm.IRModule, target: Target, library: bool = False, donate=(), donated=None, kernel_pass=None):
+def build(mod: tvm.IRModule, target: Target, library: bool = False, donate=(), donated=None, kernel_pass=None,
+          library_min_macs: int = 0):
     """Compile `mod` with fusion (FuseOps/FuseTIR) for `target`; return a tvm executable.
 
     With `library`, conv2d/conv2d_transpose/matmul left in the module become
-    calls to the ratex.lib.* kernel library (see library_dispatch.py).
+    calls to the ratex.lib.* kernel library (see library_dispatch.py), those
+    of fewer than `library_min_macs` multiply-adds excepted.
     `donate`: (input, output) index pairs of `main` where the output may be
     written into the input's buffer; those that were safe are appended to `donated`.
     `kernel_pass` (CPU only): the tuning pass (tuning.py).
     """
-    pipeline = tvm.transform.Sequential(_passes(target, library, donate, donated, kernel_pass))
+    pipeline = tvm.transform.Sequential(_passes(target, library, donate, donated, kernel_pass, library_min_macs))
     with target.tvm:
         return tvm.compile(mod, target=target.tvm, relax_pipeline=pipeline)
 

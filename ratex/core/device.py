@@ -39,13 +39,22 @@ class CPUBackend:
         """Return a read-only-by-convention CPU view of the data (no copy when possible)."""
         return data
 
-    def to_tvm(self, data):
-        if data.numel() == 0:  # DLPack strides of empty tensors aren't "compact" to TVM
-            return tvm.runtime.empty(tuple(data.shape), str(data.dtype).replace("torch.", ""), tvm.cpu())
-        return tvm.runtime.from_dlpack(data)
+    def call(self, fn, inputs: list, empty: bool) -> list:
+        """Run the compiled function `fn` on device data; return its outputs as device data.
 
-    def from_tvm(self, array):
-        return torch.from_dlpack(array)
+        TVM's FFI takes torch tensors as arguments and, given one, returns torch tensors: the
+        DLPack exchange happens in C, not in a Python call per tensor on the executor thread
+        (where each one waited for the GIL while Python traced the next step). `empty`: some
+        input has no elements, whose DLPack strides TVM may not take as compact.
+        """
+        if empty:
+            inputs = [self._empty(x) if x.numel() == 0 else x for x in inputs]
+        outs = fn(*inputs)
+        return [o if type(o) is torch.Tensor else torch.from_dlpack(o) for o in outs]
+
+    @staticmethod
+    def _empty(data):
+        return tvm.runtime.empty(tuple(data.shape), str(data.dtype).replace("torch.", ""), tvm.cpu())
 
     def copy(self, data):
         """Return device data holding a copy of `data` in a buffer of its own."""
@@ -71,11 +80,8 @@ class GPUBackend:
 
     view_cpu = download
 
-    def to_tvm(self, data):
-        return data
-
-    def from_tvm(self, array):
-        return array
+    def call(self, fn, inputs: list, empty: bool) -> list:
+        return list(fn(*inputs))
 
     def copy(self, data):
         return data.copyto(self.dev)

@@ -10,6 +10,7 @@ from tvm import relax
 
 import tvm_lowering
 from tvm_lowering import disk_cache, tuning
+from tvm_lowering.library_dispatch import AUTO_MIN_MACS
 from .. import config
 from . import kernels  # noqa: F401  (registers the ratex.lib.* kernel library)
 from . import metrics, progress
@@ -24,7 +25,7 @@ class Program:
     input's buffer (ENABLE_PARAM_ALIASING; see tvm_lowering/inplace.py).
     """
 
-    __slots__ = ("fn", "vm", "mod", "executable", "donate", "constant", "label")
+    __slots__ = ("fn", "vm", "mod", "executable", "donate", "constant", "label", "empty")
 
     def __init__(self, executable, mod, device, donate=(), constant=()):
         """`executable`: a VMExecutable, or a runtime module loaded from the disk cache (mod None).
@@ -37,11 +38,14 @@ class Program:
         self.donate = frozenset(donate)
         self.constant = tuple(constant)
         self.label = None  # how errors name the graph (sync.py sets it at the first launch)
+        self.empty = None  # whether an input has no elements (shapes are fixed: known at the first run)
 
     def run(self, inputs: list) -> list:
         """Run on device data `inputs`; return device data, one per root."""
         be = backend()
-        outs = [be.from_tvm(o) for o in self.fn(*[be.to_tvm(x) for x in inputs])]
+        if self.empty is None:
+            self.empty = any(x.numel() == 0 for x in inputs) if be.kind == "CPU" else False
+        outs = be.call(self.fn, inputs, self.empty)
         if config.PARAM_ALIASING:
             for j in self.constant:  # a folded constant: the same buffer every run; donating it would change it
                 outs[j] = be.copy(outs[j])
@@ -95,6 +99,12 @@ def use_library(kind: str) -> bool:
     return config.KERNELS in ("AUTO", "LIBRARY")
 
 
+def library_min_macs() -> int:
+    """The smallest matmul/conv (multiply-adds) sent to the library: `auto` keeps small ones
+    as TVM code (see tvm_lowering/library_dispatch.py AUTO_MIN_MACS), `library` sends all."""
+    return AUTO_MIN_MACS if config.KERNELS == "AUTO" else 0
+
+
 def compile_graph(graph: Graph, donate=()) -> Program:
     """Lower and compile `graph` for the configured target (raises LoweringError).
 
@@ -109,7 +119,10 @@ def _compile(graph: Graph, donate: tuple) -> Program:
     be = backend()
     with metrics.timed("LowerTime"):
         library = use_library(be.target.kind)
-        mod = tvm_lowering.import_graph(to_fx(graph), library=library, host_kernels=be.target.kind == "CPU")
+        min_macs = library_min_macs()
+        mod = tvm_lowering.import_graph(
+            to_fx(graph), library=library, host_kernels=be.target.kind == "CPU", library_min_macs=min_macs
+        )
     cache = _disk_cache()
     name = _entry_name(cache, cache_key(graph, donate)) if cache is not None else None
     dev = be.target.device()
@@ -119,7 +132,8 @@ def _compile(graph: Graph, donate: tuple) -> Program:
     kernel_pass = tuner.pass_(report, _tuning) if tuner is not None else None
     with metrics.timed("CompileTime"):
         executable = tvm_lowering.build(
-            mod, be.target, library=library, donate=donate, donated=donated, kernel_pass=kernel_pass
+            mod, be.target, library=library, donate=donate, donated=donated, kernel_pass=kernel_pass,
+            library_min_macs=min_macs,
         )
         # Making the VM JIT-links the code in memory, which costs about as much as the build.
         # With a persistent cache the library is exported (linked) once and loaded instead.

@@ -12,11 +12,14 @@ as flags, so no transposed copy is made. Without the flag, each rule defers to
 the rule it overrides.
 """
 import json
+import math
 
 import torch
 import tvm
 from tvm import relax
 
+from ..dtypes import to_tvm
+from ..library_dispatch import worth_library
 from . import RULES, rule
 from .nn import arg, out_meta
 
@@ -72,12 +75,22 @@ def _call_out(imp, name, args, attrs, ty):
     return imp.block_builder.emit(call)
 
 
-def _library_rule(name, build):
+# Dtypes whose small products may stay TVM code; half-precision ones always take PyTorch's
+# kernels, which accumulate in float32.
+_SMALL_TO_TVM = ("float32", "float64")
+
+
+def _library_rule(name, build, macs=None):
+    """Lower `name` with `build` when the importer dispatches to the library (and, given `macs`,
+    the op's multiply-adds reach the importer's `library_min_macs`); else with the rule before."""
     fallback = _prev(name)
 
     def lower(imp, node):
         if not getattr(imp, "library", False):
             return fallback(imp, node)
+        if macs is not None and to_tvm(node.args[0].meta["val"].dtype) in _SMALL_TO_TVM and \
+                not worth_library(macs(node), getattr(imp, "library_min_macs", 0)):
+            return fallback(imp, node)  # small enough that TVM's code is faster (library_dispatch.py)
         return build(imp, node)
 
     rule(name, wraps=True)(lower)
@@ -140,11 +153,33 @@ def _aten(imp, node):
     return _call_out(imp, "aten", tensors, attrs, _tensor_type(out_meta(node, None)))
 
 
-_library_rule("mm.default", _mm)
-_library_rule("addmm.default", _addmm)
-_library_rule("bmm.default", _bmm)
-_library_rule("convolution.default", _convolution)
-_library_rule("convolution_backward.default", _convolution_backward)
+def _shape(x):
+    return x.meta["val"].shape
+
+
+def _product_macs(node):
+    """mm / bmm / addmm: output elements x the reduced length."""
+    a = node.args[1] if len(node.args) > 2 else node.args[0]  # addmm's first argument is the bias
+    return math.prod(out_meta(node, None)[0]) * _shape(a)[-1]
+
+
+def _conv_macs(node):
+    """Forward convolution: output elements x one kernel's input slice (C/groups x kernel size)."""
+    return math.prod(out_meta(node, None)[0]) * math.prod(_shape(node.args[1])[1:])
+
+
+def _conv_backward_macs(node):
+    """A forward's multiply-adds for each of the input and weight gradients asked for."""
+    g, w = node.args[0], node.args[2]
+    mask = list(arg(node, 10, "output_mask"))
+    return math.prod(_shape(g)) * math.prod(_shape(w)[1:]) * (int(mask[0]) + int(mask[1]))
+
+
+_library_rule("mm.default", _mm, _product_macs)
+_library_rule("addmm.default", _addmm, _product_macs)
+_library_rule("bmm.default", _bmm, _product_macs)
+_library_rule("convolution.default", _convolution, _conv_macs)
+_library_rule("convolution_backward.default", _convolution_backward, _conv_backward_macs)
 for _name in (
     "_softmax.default", "_log_softmax.default", "_softmax_backward_data.default", "_log_softmax_backward_data.default",
     "gelu.default", "gelu_backward.default",
