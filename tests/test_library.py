@@ -60,6 +60,22 @@ def test_pass_rewrites_heavy_ops():
     assert "R.permute_dims" not in text and text.count('\\"ta\\": true') == 1 and text.count('\\"tb\\": true') == 1
 
 
+def test_auto_keeps_small_products_as_tvm_code():
+    """With a threshold (RATEX_KERNELS=auto), the module's small convs and matmuls (at most
+    ~1.3k multiply-adds) stay TVM ops and the pooling gradients still go to the library;
+    a threshold the products reach sends them too."""
+    from tvm_lowering.library_dispatch import AUTO_MIN_MACS, library_dispatch_pass
+
+    text = library_dispatch_pass(AUTO_MIN_MACS)(_module()).script()
+    for name in ("conv2d", "conv2d_transpose", "matmul_out", "conv2d_weight_grad"):
+        assert f'"ratex.lib.{name}"' not in text, name
+    assert '"ratex.lib.max_pool2d_backward"' in text and '"ratex.lib.avg_pool2d_backward"' in text
+    assert "R.nn.conv2d(" in text and "R.nn.conv2d_transpose(" in text and "R.matmul(" in text
+    text = library_dispatch_pass(100)(_module()).script()
+    for name in ("conv2d", "conv2d_transpose", "matmul_out", "conv2d_weight_grad"):
+        assert f'"ratex.lib.{name}"' in text, name
+
+
 def test_library_matches_tvm_generated_code():
     for got, want in zip(_run(library=True), _run(library=False)):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
@@ -86,3 +102,37 @@ def test_consecutive_transposes_fold_into_one_or_none():
     want = [data, data.transpose(1, 0, 2).transpose(2, 0, 1), data.transpose(2, 1, 0).transpose(0, 2, 1)]
     for g, w in zip(got, want):
         np.testing.assert_array_equal(g.numpy(), w)
+
+
+def test_auto_sends_only_large_aten_products_to_the_library(tmp_path, monkeypatch):
+    """On the lazy path under RATEX_KERNELS=auto, LeNet-5-at-batch-1-sized convs and matmuls are
+    TVM code (results as CPU PyTorch's), a 2M multiply-add matmul calls PyTorch's kernel."""
+    import torch
+    import torch.nn.functional as F
+
+    import ratex.lazy_tensor_core.core.lazy_model as lm
+    from ratex import config
+    from ratex.core import sync
+
+    ir = tmp_path / "ir.txt"
+    monkeypatch.setattr(config, "SAVE_IR", str(ir))
+    monkeypatch.setattr(config, "KERNELS", "AUTO")
+    sync.reset_cache()
+    g = torch.Generator().manual_seed(0)
+    x, w, a, b = (torch.randn(*s, generator=g) for s in [(1, 3, 14, 14), (16, 3, 5, 5), (8, 120), (120, 84)])
+    w.requires_grad_(True)
+    dev = lm.lazy_device()
+    wl = w.detach().to(dev).requires_grad_(True)
+    out = F.conv2d(x.to(dev), wl, padding=2)
+    out.square().sum().backward()
+    got = [out.cpu(), wl.grad.cpu(), torch.mm(a.to(dev), b.to(dev)).cpu()]
+    ref = F.conv2d(x, w, padding=2)
+    ref.square().sum().backward()
+    for have, want in zip(got, [ref, w.grad, a @ b]):
+        torch.testing.assert_close(have, want, rtol=1e-4, atol=1e-4)
+    assert "ratex.lib." not in ir.read_text()
+    ir.unlink()
+    big = torch.randn(128, 128, generator=g)
+    torch.testing.assert_close(torch.mm(big.to(dev), big.to(dev)).cpu(), big @ big, rtol=1e-4, atol=1e-4)
+    assert '"ratex.lib.mm_out"' in ir.read_text()
+    sync.reset_cache()

@@ -9,6 +9,7 @@ implementations the runtime side registers (ratex/core/kernels.py).
 Small products stay TVM code under `RATEX_KERNELS=auto` (`AUTO_MIN_MACS`).
 """
 import json
+import math
 
 import tvm
 from tvm import relax
@@ -30,11 +31,6 @@ def worth_library(macs: int, min_macs: int) -> bool:
     return macs >= min_macs
 
 
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
 _PERMUTE = tvm.ir.Op.get("relax.permute_dims")
 
 
@@ -144,12 +140,12 @@ _PRODUCTS = ("relax.nn.conv2d", "relax.nn.conv2d_transpose", "relax.matmul")
 
 def _products_macs(name, call) -> int:
     """Multiply-adds of a conv2d / conv2d_transpose / matmul call."""
-    out = _numel(call.ty.shape)
+    out = math.prod(_ints(call.ty.shape))
     if name == "relax.matmul":
         return out * int(call.args[0].ty.shape[-1])
     w = _ints(call.args[1].ty.shape)
     out_channels = w[call.attrs.kernel_layout.index("O")]
-    return out * _numel(w) // max(out_channels, 1)  # each output reads a kernel's input slice
+    return out * math.prod(w) // max(out_channels, 1)  # each output reads a kernel's input slice
 
 
 def library_dispatch_pass(min_macs: int = 0):
