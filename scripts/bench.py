@@ -307,34 +307,37 @@ def spawn(model, system, args):
             tmp = tempfile.TemporaryDirectory(prefix="bench-inductor-")
             env["TORCHINDUCTOR_CACHE_DIR"] = tmp.name
     try:
-        return _spawn(model, system, args, env)
+        return run_process(model, system, env, steps=args.steps, warmup=args.warmup, timeout=args.timeout,
+                           verbose=args.verbose, serial=args.serial)
     finally:
         if tmp is not None:
             tmp.cleanup()
 
 
-def _spawn(model, system, args, env):
+def run_process(model, system, env, *, steps, warmup, timeout, verbose=False, serial=False):
+    """Run one cell in a fresh process with environment `env`; return its result dict (with
+    "error" if it failed). scripts/tune.py times its configurations with it too."""
     cmd = [sys.executable, os.path.abspath(__file__), "--cell", model, system,
-           "--steps", str(args.steps), "--warmup", str(args.warmup)] + (["--serial"] if args.serial else [])
+           "--steps", str(steps), "--warmup", str(warmup)] + (["--serial"] if serial else [])
     start = time.time()
     # own process group, so a timeout also ends the cell's helpers (e.g. inductor's compile workers)
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
-        stdout, stderr = proc.communicate(timeout=args.timeout)
+        stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
-        return {"model": model, "system": system, "error": f"timed out after {args.timeout:g} s"}
+        return {"model": model, "system": system, "error": f"timed out after {timeout:g} s"}
     wall = time.time() - start
     for line in reversed(stdout.splitlines()):
         if line.startswith(MARK):
             result = json.loads(line[len(MARK):])
             result["wall_s"] = wall
-            if "error" in result and args.verbose:
+            if "error" in result and verbose:
                 sys.stderr.write(stderr[-4000:])
             return result
-    if args.verbose:
+    if verbose:
         sys.stderr.write(stderr[-4000:])
     lines = [ln.strip() for ln in stderr.strip().splitlines() if ln.strip()]
     if proc.returncode < 0:

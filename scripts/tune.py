@@ -61,8 +61,7 @@ def _env(args, **extra):
 
 
 def _cell(model, system, args, env, steps, warmup):
-    cell_args = argparse.Namespace(steps=steps, warmup=warmup, timeout=args.timeout, verbose=args.verbose)
-    result = bench._spawn(model, system, cell_args, env)
+    result = bench.run_process(model, system, env, steps=steps, warmup=warmup, timeout=args.timeout, verbose=args.verbose)
     if "error" in result:
         sys.exit(f"{model} / {system}: {result['error']}")
     return result

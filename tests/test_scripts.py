@@ -1,0 +1,46 @@
+"""The benchmark scripts' plumbing: a cell runs in a fresh process and reports a result.
+
+Timings are the scripts' business, not the tests'; these only check that the
+commands the README gives still run (scripts/tune.py once called bench's cell
+runner with arguments it no longer took, and died before tuning anything).
+"""
+import argparse
+import os
+import subprocess
+import sys
+
+import pytest
+
+SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
+sys.path.insert(0, SCRIPTS)
+
+import bench  # noqa: E402
+import tune  # noqa: E402
+
+
+def test_bench_runs_a_cell_and_prints_its_table():
+    out = subprocess.run(
+        [sys.executable, os.path.join(SCRIPTS, "bench.py"), "--models", "lenet-b1", "--systems", "eager,ratex_lazy",
+         "--steps", "4", "--warmup", "1"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [line.split() for line in out.stdout.splitlines() if line.startswith("lenet-b1")]
+    assert [row[1] for row in rows[:2]] == ["eager", "ratex_lazy"], out.stdout
+    assert all(float(row[2]) > 0 for row in rows[:2]), out.stdout
+
+
+def test_tune_times_a_configuration_through_bench():
+    args = argparse.Namespace(timeout=300, verbose=True, threads=1)
+    result = tune._cell("lenet-b1", "eager", args, tune._env(args), steps=4, warmup=1)
+    assert result["model"] == "lenet-b1" and result["system"] == "eager" and "error" not in result
+    assert result["median_ms"] > 0
+
+
+@pytest.mark.parametrize("argv,says", [(["--steps", "2"], "--steps must be at least"),
+                                       (["--models", "resnet"], "unknown model/system: resnet")])
+def test_bench_refuses_bad_arguments(argv, says):
+    out = subprocess.run([sys.executable, os.path.join(SCRIPTS, "bench.py"), *argv], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2 and says in out.stderr, out
+    assert "resnet" not in bench.MODELS
