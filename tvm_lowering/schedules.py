@@ -1,13 +1,14 @@
 """CPU schedules for the TVM-generated kernels (everything not sent to the kernel library).
 
 TVM's default CPU pipeline leaves every kernel a serial loop nest. These rules
-give fused elementwise kernels a parallel outer loop and a vectorized inner
-one (inlining each producer into its consumers unless it costs more than 64
-operations an element, like the random bits' hash or erfinv), turn
-reductions over a non-contiguous axis (bias gradients: a sum over the batch)
-into vector accumulations down the columns, keep vectors of partial results
-along rows for reductions over the contiguous axis, and reuse dlight's CPU
-rule for the other reductions (softmax, norms); its GEMV rule broke
+give sums of products (matmul, convolutions and their gradients) register tiles
+of vector accumulators, give fused elementwise kernels a parallel outer loop and
+a vectorized inner one (inlining each producer into its consumers unless it
+costs more than 64 operations an element, like the random bits' hash or erfinv),
+turn reductions over a non-contiguous axis (bias gradients: a sum over the
+batch) into vector accumulations down the columns, keep vectors of partial
+results along rows for reductions over the contiguous axis, and reuse dlight's
+CPU rule for the other reductions (softmax, norms); its GEMV rule broke
 native_batch_norm_backward's kernels, so it is left out. A rule that does not
 fit a kernel leaves it as it was.
 """
