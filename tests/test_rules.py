@@ -270,7 +270,8 @@ def test_full_with_special_and_lifted_fill_values():
 
 
 @pytest.mark.parametrize("shape,dims", [((64, 48), [0]), ((5, 3, 32), [0, 1]), ((4, 7, 16, 3), [0, 3]), ((33, 10), [1]),
-                                        ((64, 128), [1]), ((8, 16, 48), [1, 2])])
+                                        ((64, 128), [1]), ((8, 16, 48), [1, 2]), ((16, 6, 28, 28), [0, 2, 3]),
+                                        ((9, 5, 6, 6), [0, 2, 3])])
 def test_reductions_over_leading_and_trailing_dims(shape, dims):
     # sum over a non-contiguous axis has its own CPU schedule (ColumnReduction in schedules.py),
     # and so has one over the contiguous axes of a large enough input (RowReduction)
@@ -320,6 +321,23 @@ def test_row_reduction_schedule():
     assert RowReduction().apply(te.create_prim_func([x, idx, val]), target, False) is None
     check(lambda t: (t.amax(-1), t.sum(-1), (t * t).sum(-1, keepdim=True), t.argmax(-1)), rnd(64, 4, 128),
           ops=["amax.default"])
+
+
+def test_row_reduction_keeps_a_leading_reduced_axis_outside_the_vectors():
+    """A conv's bias gradient sums NCHW over (0, 2, 3): only H and W are contiguous, so the
+    batch stays a loop of its own outside the 16-lane chunks of each H*W plane (fused in,
+    the lanes were gathered one by one: 364 us against torch's 17 for 64x6x28x28)."""
+    from tvm import te
+    from tvm_lowering.pipeline import resolve_target
+    from tvm_lowering.schedules import RowReduction
+
+    x = te.placeholder((64, 6, 28, 28), name="x")
+    n, h, w = te.reduce_axis((0, 64)), te.reduce_axis((0, 28)), te.reduce_axis((0, 28))
+    out = te.compute((6,), lambda c: te.sum(x[n, c, h, w], axis=[n, h, w]), name="out")
+    sch = RowReduction().apply(te.create_prim_func([x, out]), resolve_target("CPU").tvm, False)
+    assert sch is not None
+    text = sch.mod["main"].script()
+    assert "T.grid(64, 49)" in text and "T.vectorized(16)" in text, text  # batch, then 49 chunks of a plane
 
 
 def test_elementwise_schedule_takes_constant_indices_but_not_races():

@@ -263,19 +263,25 @@ class RowReduction(CPUScheduleRule):
         found = _reduction_block(self, func, target, contiguous="reduced")
         if found is None:
             return None
-        sch, block, spatial, _ = found
+        sch, block, spatial, reduce = found
         loops = sch.get_loops(block)
         extents = [get_extent(sch, loop) for loop in loops]
         if any(not isinstance(e, int) for e in extents) or math.prod(extents) < _MIN_PARALLEL:
             return None
-        length = math.prod(extents[len(spatial):])  # of a row
+        # Only the reduced axes that are the inputs' innermost indices make one contiguous run;
+        # the others (the batch of a conv's bias gradient, sum over (0, 2, 3)) stay outer loops.
+        # Fused in with the run, they made each vector's lanes a div/mod of the fused index,
+        # which LLVM gathers lane by lane: that bias gradient took 20x torch's time.
+        run = _contiguous_run(sch.get(block), reduce)
+        length = math.prod(extents[len(extents) - run:])  # of a row
         lanes = next((w for w in (16, 8, 4) if length % w == 0 and length >= 2 * w), None)
         if lanes is None:
             return None
         s_loops, r_loops = loops[: len(spatial)], loops[len(spatial):]
         if len(s_loops) > 1:
             sch.fuse(*s_loops)
-        red = sch.fuse(*r_loops) if len(r_loops) > 1 else r_loops[0]
+        contiguous = r_loops[len(r_loops) - run:]
+        red = sch.fuse(*contiguous) if len(contiguous) > 1 else contiguous[0]
         _, inner = sch.split(red, [None, lanes])
         try:
             partial = sch.rfactor(inner, factor_axis=0)
@@ -286,6 +292,17 @@ class RowReduction(CPUScheduleRule):
         sch.parallel(rows_loop)
         sch.vectorize(sch.get_loops(partial)[-1])
         return sch
+
+
+def _contiguous_run(block, reduce) -> int:
+    """How many of the last reduced iterators every input reads as its last indices, in order."""
+    reads = [r for r in block.reads if not any(r.source.same_as(w.source) for w in block.writes)]
+    run = 0
+    while run < len(reduce) and all(
+        len(r.region) > run and r.region[-1 - run].min.same_as(reduce[-1 - run]) for r in reads
+    ):
+        run += 1
+    return run
 
 
 def _reduction_block(rule, func, target, contiguous):
