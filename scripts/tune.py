@@ -61,7 +61,8 @@ def _env(args, **extra):
 
 
 def _cell(model, system, args, env, steps, warmup):
-    result = bench.run_process(model, system, env, steps=steps, warmup=warmup, timeout=args.timeout, verbose=args.verbose)
+    result = bench.run_process(model, system, env, steps=steps, warmup=warmup, timeout=args.timeout,
+                               verbose=args.verbose)
     if "error" in result:
         sys.exit(f"{model} / {system}: {result['error']}")
     return result

@@ -115,37 +115,41 @@ class Contraction(CPUScheduleRule):
         lanes = lanes if lanes >= 4 or extents[v] <= _VECTOR else 1
         height = _divisor(extents[u], _TILE_ROWS) if u is not None else 1
 
-        s_loops, r_loops = loops[: len(spatial)], loops[len(spatial):]
-        outer = list(s_loops)
-        v_out, v_in = sch.split(s_loops[v], [None, lanes])
-        outer[v] = v_out
-        inner = [v_in]
-        if u is not None:
-            u_out, u_in = sch.split(s_loops[u], [None, height])
-            outer[u] = u_out
-            inner.insert(0, u_in)
-        sch.reorder(*outer, *r_loops, *inner)
-        tiles = sch.fuse(*outer) if len(outer) > 1 else outer[0]
-        if math.prod(extents[: len(spatial)]) // (lanes * height) > 1:
-            sch.parallel(tiles)
-        # Parallel, vectorize and unroll go before decompose_reduction: TVM refuses them on the
-        # update block once its init is split off.
-        if lanes > 1:
-            sch.vectorize(inner[-1])
-        if u is not None:
-            sch.unroll(inner[0])
-        write_back = sch.cache_write(main.block_rv, 0, "local")
-        sch.reverse_compute_at(write_back, tiles)
-        _inline_epilogue(sch, infos[infos.index(main):], str(store.buffer.name))
-        sch.decompose_reduction(main.block_rv, r_loops[0])
-        back = sch.get_loops(write_back)
-        if lanes > 1 and len(back) > 1 and get_extent(sch, back[-1]) == lanes:
-            sch.vectorize(back[-1])
-        for info in infos[: infos.index(main)]:
-            producer = sch.get_loops(info.block_rv)
-            sizes = [get_extent(sch, loop) for loop in producer]
-            if producer and all(isinstance(e, int) and e > 0 for e in sizes) and math.prod(sizes) >= _MIN_PARALLEL:
-                _vectorize_innermost(sch, producer, sizes)
+        try:  # a kernel of a shape these primitives refuse is left to the other rules
+            s_loops, r_loops = loops[: len(spatial)], loops[len(spatial):]
+            outer = list(s_loops)
+            v_out, v_in = sch.split(s_loops[v], [None, lanes])
+            outer[v] = v_out
+            inner = [v_in]
+            if u is not None:
+                u_out, u_in = sch.split(s_loops[u], [None, height])
+                outer[u] = u_out
+                inner.insert(0, u_in)
+            sch.reorder(*outer, *r_loops, *inner)
+            tiles = sch.fuse(*outer) if len(outer) > 1 else outer[0]
+            if math.prod(extents[: len(spatial)]) // (lanes * height) > 1:
+                sch.parallel(tiles)
+            # Parallel, vectorize and unroll go before decompose_reduction: TVM refuses them on the
+            # update block once its init is split off.
+            if lanes > 1:
+                sch.vectorize(inner[-1])
+            if u is not None:
+                sch.unroll(inner[0])
+            write_back = sch.cache_write(main.block_rv, 0, "local")
+            sch.reverse_compute_at(write_back, tiles)
+            _inline_epilogue(sch, infos[infos.index(main):], str(store.buffer.name))
+            sch.decompose_reduction(main.block_rv, r_loops[0])
+            back = sch.get_loops(write_back)
+            if lanes > 1 and len(back) > 1 and get_extent(sch, back[-1]) == lanes:
+                sch.vectorize(back[-1])
+            for info in infos[: infos.index(main)]:
+                producer = sch.get_loops(info.block_rv)
+                sizes = [get_extent(sch, loop) for loop in producer]
+                if producer and all(isinstance(e, int) and e > 0 for e in sizes) and \
+                        math.prod(sizes) >= _MIN_PARALLEL:
+                    _vectorize_innermost(sch, producer, sizes)
+        except (s_tir.ScheduleError, tvm.error.InternalError):
+            return None
         return sch
 
 
