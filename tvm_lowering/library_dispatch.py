@@ -26,9 +26,11 @@ _FLOATS = ("float32", "float64")
 AUTO_MIN_MACS = 1 << 20
 
 
-def worth_library(macs: int, min_macs: int) -> bool:
-    """Whether an op of `macs` multiply-adds goes to the library when ops from `min_macs` up do."""
-    return macs >= min_macs
+def worth_library(macs: int, min_macs: int, dtype: str) -> bool:
+    """Whether a product of `macs` multiply-adds in `dtype` goes to the library when float ones
+    from `min_macs` up do. Half-precision products always go: PyTorch's kernels accumulate
+    them in float32."""
+    return dtype not in _FLOATS or macs >= min_macs
 
 
 _PERMUTE = tvm.ir.Op.get("relax.permute_dims")
@@ -62,7 +64,7 @@ class _Dispatch(relax.PyExprMutator):
             return call
         name = call.op.name
         a = call.attrs
-        if name in _PRODUCTS and not worth_library(_products_macs(name, call), self.min_macs):
+        if name in _PRODUCTS and not worth_library(_products_macs(name, call), self.min_macs, _dtype(call)):
             return call
         if name == "relax.nn.conv2d" and (a.data_layout, a.kernel_layout, a.out_layout) == ("NCHW", "OIHW", "NCHW"):
             cfg = _attrs(stride=_ints(a.strides), padding=_ints(a.padding), dilation=_ints(a.dilation), groups=int(a.groups))

@@ -40,20 +40,30 @@ class Injective(CPUScheduleRule):
         infos = normalize_prim_func(sch)
         if not infos or not all(info.is_injective() and _writes_own_point(sch.get(info.block_rv)) for info in infos):
             return None
-        # Inlining copies a producer's expression into every load of it, and loads of loads
-        # multiply: erfinv's backward (~2900 ops an element) once grew a kernel to 300 KB of
-        # TIR that took 96 s to compile (2.7 s left alone). Costly producers -- the random
-        # bits' hash, special functions -- stay loops of their own; none of the benchmark
-        # models' other kernels has a block above 6 ops an element.
-        costly = [info for info in infos if _ops_per_element(sch, info.block_rv) > _INLINE_MAX_OPS]
-        for info in costly + try_inline(sch, [info for info in infos if info not in costly]):
-            loops = sch.get_loops(info.block_rv)
-            extents = [get_extent(sch, loop) for loop in loops]
-            if not loops or any(not isinstance(e, int) or e <= 0 for e in extents):
-                continue  # empty or symbolic: nothing worth scheduling
-            if math.prod(extents) >= _MIN_PARALLEL:  # small kernels stay as they are (and their libm calls scalar)
-                _vectorize_innermost(sch, loops, extents)
+        _fuse_elementwise(sch, infos)
         return sch
+
+
+def _fuse_elementwise(sch, infos):
+    """Inline elementwise blocks into each other, then vectorize what is left of them."""
+    # Inlining copies a producer's expression into every load of it, and loads of loads
+    # multiply: erfinv's backward (~2900 ops an element) once grew a kernel to 300 KB of
+    # TIR that took 96 s to compile (2.7 s left alone). Costly producers -- the random
+    # bits' hash, special functions -- stay loops of their own; none of the benchmark
+    # models' other kernels has a block above 6 ops an element.
+    costly = [info for info in infos if _ops_per_element(sch, info.block_rv) > _INLINE_MAX_OPS]
+    for info in costly + try_inline(sch, [info for info in infos if info not in costly]):
+        _vectorize_block(sch, info.block_rv)
+
+
+def _vectorize_block(sch, block_rv):
+    """Parallel outer and vectorized inner loop for a block of fixed, large enough extents."""
+    loops = sch.get_loops(block_rv)
+    extents = [get_extent(sch, loop) for loop in loops]
+    if not loops or any(not isinstance(e, int) or e <= 0 for e in extents):
+        return  # empty or symbolic: nothing worth scheduling
+    if math.prod(extents) >= _MIN_PARALLEL:  # small kernels stay as they are (and their libm calls scalar)
+        _vectorize_innermost(sch, loops, extents)
 
 
 class Contraction(CPUScheduleRule):
@@ -143,11 +153,7 @@ class Contraction(CPUScheduleRule):
             if lanes > 1 and len(back) > 1 and get_extent(sch, back[-1]) == lanes:
                 sch.vectorize(back[-1])
             for info in infos[: infos.index(main)]:
-                producer = sch.get_loops(info.block_rv)
-                sizes = [get_extent(sch, loop) for loop in producer]
-                if producer and all(isinstance(e, int) and e > 0 for e in sizes) and \
-                        math.prod(sizes) >= _MIN_PARALLEL:
-                    _vectorize_innermost(sch, producer, sizes)
+                _vectorize_block(sch, info.block_rv)
         except (s_tir.ScheduleError, tvm.error.InternalError):
             return None
         return sch
@@ -173,13 +179,7 @@ def _inline_epilogue(sch, infos, first):
             break
         chain = str(block.writes[0].source.name)
         inlined.append(info)
-    rest = [info for info in infos[1:] if info not in inlined]
-    costly = [info for info in rest if _ops_per_element(sch, info.block_rv) > _INLINE_MAX_OPS]
-    for info in costly + try_inline(sch, [info for info in rest if info not in costly]):
-        loops = sch.get_loops(info.block_rv)
-        sizes = [get_extent(sch, loop) for loop in loops]
-        if loops and all(isinstance(e, int) and e > 0 for e in sizes) and math.prod(sizes) >= _MIN_PARALLEL:
-            _vectorize_innermost(sch, loops, sizes)
+    _fuse_elementwise(sch, [info for info in infos[1:] if info not in inlined])
 
 
 def _multiply_add(block):

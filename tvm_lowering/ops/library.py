@@ -75,11 +75,6 @@ def _call_out(imp, name, args, attrs, ty):
     return imp.block_builder.emit(call)
 
 
-# Dtypes whose small products may stay TVM code; half-precision ones always take PyTorch's
-# kernels, which accumulate in float32.
-_SMALL_TO_TVM = ("float32", "float64")
-
-
 def _library_rule(name, build, macs=None):
     """Lower `name` with `build` when the importer dispatches to the library (and, given `macs`,
     the op's multiply-adds reach the importer's `library_min_macs`); else with the rule before."""
@@ -88,8 +83,8 @@ def _library_rule(name, build, macs=None):
     def lower(imp, node):
         if not getattr(imp, "library", False):
             return fallback(imp, node)
-        if macs is not None and to_tvm(node.args[0].meta["val"].dtype) in _SMALL_TO_TVM and \
-                not worth_library(macs(node), getattr(imp, "library_min_macs", 0)):
+        if macs is not None and not worth_library(macs(node), imp.library_min_macs,
+                                                  to_tvm(node.args[0].meta["val"].dtype)):
             return fallback(imp, node)  # small enough that TVM's code is faster (library_dispatch.py)
         return build(imp, node)
 
@@ -157,10 +152,9 @@ def _shape(x):
     return x.meta["val"].shape
 
 
-def _product_macs(node):
-    """mm / bmm / addmm: output elements x the reduced length."""
-    a = node.args[1] if len(node.args) > 2 else node.args[0]  # addmm's first argument is the bias
-    return math.prod(out_meta(node, None)[0]) * _shape(a)[-1]
+def _product_macs(node, first=0):
+    """mm / bmm (addmm: first=1, after the bias): output elements x the reduced length."""
+    return math.prod(out_meta(node, None)[0]) * _shape(node.args[first])[-1]
 
 
 def _conv_macs(node):
@@ -176,7 +170,7 @@ def _conv_backward_macs(node):
 
 
 _library_rule("mm.default", _mm, _product_macs)
-_library_rule("addmm.default", _addmm, _product_macs)
+_library_rule("addmm.default", _addmm, lambda node: _product_macs(node, first=1))
 _library_rule("bmm.default", _bmm, _product_macs)
 _library_rule("convolution.default", _convolution, _conv_macs)
 _library_rule("convolution_backward.default", _convolution_backward, _conv_backward_macs)
