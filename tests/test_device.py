@@ -165,3 +165,23 @@ def test_ops_with_value_dependent_shapes_or_new_metadata_run_on_cpu(dev):
     yl = y.to(dev)
     yl.resize_(25, 5)
     assert yl.shape == (25, 5) and torch.equal(yl.cpu(), y.clone().resize_(25, 5))
+
+
+def test_long_run_without_mark_step_keeps_the_pending_list_short(dev, monkeypatch):
+    """The list of pending storages is compacted to one entry per live storage; a tensor
+    written many times between syncs must not grow it without bound (or compact it on every
+    write), and the value stays the one CPU PyTorch computes."""
+    from ratex.core import sync
+
+    lm.mark_step()
+    monkeypatch.setattr(sync, "_COMPACT_MIN", 50)
+    monkeypatch.setattr(sync, "_compact_at", 50)
+    x, other = torch.zeros(3), torch.ones(3)
+    lx, lother = x.to(dev), other.to(dev)
+    lother.mul_(2.0)  # a second live pending storage, which compaction must keep
+    for i in range(300):
+        x.add_(i)
+        lx.add_(i)
+        assert len(sync._pending) <= 100, (i, len(sync._pending))
+    assert torch.equal(lx.cpu(), x)
+    assert torch.equal(lother.cpu(), other * 2.0)

@@ -24,9 +24,19 @@ unlowerable = set()  # node keys whose rule failed: such ops run eagerly from no
 
 def track(storage):
     """Remember a storage whose value was just replaced by a pending one."""
+    global _compact_at
     _pending.append(weakref.ref(storage))
-    if len(_pending) > 100_000:  # a long run with no mark_step: forget dead or computed ones
-        _pending[:] = [r for r in _pending if _is_pending(r())]
+    if len(_pending) > _compact_at:
+        # A long run with no mark_step: keep one reference per live pending storage, and
+        # compact again only once the list has doubled (a storage written 100k times, or
+        # 100k distinct pending ones, would otherwise compact on every write).
+        live = pending_storages()
+        _pending[:] = [weakref.ref(st) for st in live]
+        _compact_at = max(_COMPACT_MIN, 2 * len(live))
+
+
+_COMPACT_MIN = 100_000
+_compact_at = _COMPACT_MIN
 
 
 def _is_pending(st) -> bool:
