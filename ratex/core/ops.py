@@ -155,14 +155,14 @@ def _wrap(node, out):
 # ---- functional ops ----------------------------------------------------------
 def _functional(func, args, kwargs):
     given = func, args  # what the fallbacks below run: the call as made, before any lifting
-    if func in _LIFT:
+    if id(func) in _LIFT:
         func, args = _lift_scalar(func, args)
     spec, values, metas = _collect(func, args, kwargs)
     try:
         out = shape.infer(func, spec, metas)
     except shape.NoMeta:
         return _decomposed_or_eager(*given, kwargs, None)
-    if _all_empty(out):
+    if out.empty:
         return _empty_outputs(out)
     counter = _lowered_counter(func)
     if counter is None:
@@ -186,14 +186,14 @@ def _value_op(func, *args):
     single-output op comes back as its IR value (a _V) with no LazyTensor built for it;
     anything else (no meta kernel, no rule, no elements) as `dispatch` returns it.
     Decompositions and the in-place fast path chain these (a tensor costs ~4 us)."""
-    if func in _LIFT:
+    if id(func) in _LIFT:
         func, args = _lift_scalar(func, args)
     spec, values, metas = _collect(func, args, _EMPTY)
     try:
         out = shape.infer(func, spec, metas)
     except shape.NoMeta:
         out = None
-    counter = _lowered_counter(func) if out is not None and out.kind == "tensor" and not _all_empty(out) else None
+    counter = _lowered_counter(func) if out is not None and out.kind == "tensor" and not out.empty else None
     if counter is not None:
         node = _new_node(func, spec, values, out, counter)
         if node is not None:
@@ -222,10 +222,6 @@ def _arg_sig(x):
     return meta.shape, tensor._contiguous_strides(meta.shape), meta.dtype
 
 
-def _all_empty(out) -> bool:
-    return all(m is None or 0 in m.shape for m in out.metas)
-
-
 def _empty_outputs(out):
     """Outputs without elements have no values to compute: they are device data at once."""
     outs = [None if m is None else tensor.LazyTensor.from_cpu(torch.empty(m.shape, dtype=m.dtype), adopt=True)
@@ -235,11 +231,18 @@ def _empty_outputs(out):
     return tuple(outs) if out.kind == "tuple" else outs
 
 
-@functools.lru_cache(maxsize=None)
 def _lowered_counter(func):
     """The counter name `ratex::<op>` if `func` has a lowering rule, else None."""
-    name = op_name(func)
-    return f"ratex::{name}" if tvm_lowering.has_rule(name) else None
+    try:
+        return _counters[id(func)]
+    except KeyError:
+        name = op_name(func)
+        _counters[id(func)] = counter = f"ratex::{name}" if tvm_lowering.has_rule(name) else None
+        _routed.append(func)  # its id stays valid
+        return counter
+
+
+_counters = {}  # id(OpOverload) -> counter name or None (by id: see _routes)
 
 
 def emit(func, *args, **kwargs):
@@ -263,17 +266,17 @@ _IDENTITY_VIEWS = {aten.detach.default, aten.alias.default}
 
 
 # Float scalars that change every step (learning rates, loss scales) become graph
-# inputs, so they don't bake into the program and force a recompile.
-_LIFT = {
-    aten.add.Tensor: aten.add.Tensor,
-    aten.sub.Tensor: aten.sub.Tensor,
-    aten.mul.Tensor: aten.mul.Tensor,
-    aten.div.Tensor: aten.div.Tensor,
-    aten.add.Scalar: aten.add.Tensor,
-    aten.sub.Scalar: aten.sub.Tensor,
-    aten.mul.Scalar: aten.mul.Tensor,
-    aten.div.Scalar: aten.div.Tensor,
-}
+# inputs, so they don't bake into the program and force a recompile. By id, like _routes.
+_LIFT = {id(f): to for f, to in (
+    (aten.add.Tensor, aten.add.Tensor),
+    (aten.sub.Tensor, aten.sub.Tensor),
+    (aten.mul.Tensor, aten.mul.Tensor),
+    (aten.div.Tensor, aten.div.Tensor),
+    (aten.add.Scalar, aten.add.Tensor),
+    (aten.sub.Scalar, aten.sub.Tensor),
+    (aten.mul.Scalar, aten.mul.Tensor),
+    (aten.div.Scalar, aten.div.Tensor),
+)}
 
 
 def _liftable(x) -> bool:
@@ -291,19 +294,23 @@ _MULS = (aten.mul.Tensor, aten.mul.Scalar)
 def _lift_scalar(func, args):
     if len(args) < 2:
         return func, args
-    first = args[0]
-    if isinstance(first, tensor.LazyTensor):
-        dtype = first.dtype
-    elif type(first) is _V:
+    first, scalar = args[0], args[1]
+    t = type(first)
+    if t is tensor.LazyTensor:
+        dtype = first._sig[2]
+    elif t is _V:
         dtype = first.value[0].metas[first.value[1]].dtype
+    elif isinstance(first, tensor.LazyTensor):
+        dtype = first.dtype
     else:
         return func, args
-    # x * 0 as a constant is folded to 0 by TVM's simplifier, but NaN * 0 and inf * 0 are NaN.
-    zero_times_float = func in _MULS and type(args[1]) in (int, float) and args[1] == 0 \
-        and dtype.is_floating_point
-    if not (_liftable(args[1]) or zero_times_float):
-        return func, args
-    return _LIFT[func], (first, _scalar_input(args[1], _float_scalar_dtype(dtype))) + tuple(args[2:])
+    if not _liftable(scalar):
+        # x * 0 as a constant is folded to 0 by TVM's simplifier, but NaN * 0 and inf * 0 are NaN.
+        zero_times_float = func in _MULS and type(scalar) in (int, float) and scalar == 0 and dtype.is_floating_point
+        if not zero_times_float:
+            return func, args
+    lifted = (first, _scalar_input(scalar, _float_scalar_dtype(dtype)))
+    return _LIFT[id(func)], (lifted + tuple(args[2:]) if len(args) > 2 else lifted)
 
 
 def _scalar_input(value, dtype):
@@ -674,6 +681,7 @@ _INPLACE_ARITH = {
     aten.addcdiv_.default: functools.partial(_addcdiv, last=_value_op),
     aten.lerp_.Scalar: functools.partial(_lerp_scalar, last=_value_op),
 }
+_INPLACE_RECIPES = {id(f): recipe for f, recipe in _INPLACE_ARITH.items()}  # by id, like _routes
 _NUMBERS = (int, float)
 
 
@@ -694,22 +702,30 @@ def _inplace_arith(func, args, kwargs):
 
 def _inplace_value(func, args, kwargs):
     try:
-        return _INPLACE_ARITH[func](*args, **kwargs)
+        return _INPLACE_RECIPES[id(func)](*args, **kwargs)
     except TypeError:  # an argument the recipe doesn't take: the general path reports it
         return None
 
 
 def _same_meta_operands(target, args, kwargs) -> bool:
-    if type(target) is not tensor.LazyTensor or not target.dtype.is_floating_point or 0 in target._sig[1]:
+    if type(target) is not tensor.LazyTensor:
         return False
-    shape, dtype = target._sig[0], target.dtype
-    for x in args[1:]:
-        if type(x) is tensor.LazyTensor:
-            if x._sig[0] != shape or x.dtype != dtype:
+    shape, strides, dtype = target._sig
+    if not dtype.is_floating_point or 0 in strides:
+        return False
+    for i in range(1, len(args)):
+        x = args[i]
+        t = type(x)
+        if t is tensor.LazyTensor:
+            sig = x._sig
+            if sig[0] != shape or sig[2] != dtype:
                 return False
-        elif type(x) not in _NUMBERS:
+        elif t is not float and t is not int:
             return False
-    return all(type(v) in _NUMBERS for v in kwargs.values())
+    for v in kwargs.values():
+        if type(v) is not float and type(v) is not int:
+            return False
+    return True
 
 
 for _f in _INPLACE_ARITH:

@@ -15,12 +15,14 @@ class NoMeta(Exception):
 
 
 class Out:
-    """The inferred outputs of one op: a flat list of (meta, stride, offset) and the structure."""
+    """The inferred outputs of one op: a flat list of (meta, stride, offset) and the structure.
+    `empty`: no output has an element (a None output counts as empty)."""
 
-    __slots__ = ("metas", "strides", "offsets", "kind")
+    __slots__ = ("metas", "strides", "offsets", "kind", "empty")
 
     def __init__(self, metas, strides, offsets, kind):
         self.metas, self.strides, self.offsets, self.kind = metas, strides, offsets, kind
+        self.empty = all(m is None or 0 in m.shape for m in metas)
 
 
 def infer(op, spec, in_metas: tuple) -> Out:
