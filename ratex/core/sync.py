@@ -104,12 +104,16 @@ def _shared_leaves(leaves) -> set:
     data first and the Pendings' results after makes this race-free (Job.run
     fills the Pending before the node).
     """
-    datas = [node.results[idx] for node, idx in leaves]
-    keys = [{id(d), id(d.data)} if type(d) is Pending and d.data is not None else {id(d)} for d in datas]
+    keys = []
+    for node, idx in leaves:
+        d = node.results[idx]
+        keys.append((id(d), id(d.data)) if type(d) is Pending and d.data is not None else (id(d),))
     count = {}
     for ks in keys:
         for k in ks:
             count[k] = count.get(k, 0) + 1
+    if len(count) == sum(map(len, keys)):  # the usual case: every buffer held once
+        return set()
     return {pos for pos, ks in enumerate(keys) if any(count[k] > 1 for k in ks)}
 
 
