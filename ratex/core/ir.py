@@ -78,8 +78,9 @@ class Node:
 
     def set_result(self, index: int, data):
         """Keep computed device data for output `index`; drop inputs once all are known."""
-        self.results[index] = data
-        if all(r is not None or m is None for r, m in zip(self.results, self.metas)):
+        results = self.results
+        results[index] = data
+        if len(results) == 1 or all(r is not None or m is None for r, m in zip(results, self.metas)):
             self.inputs = ()
 
     def __repr__(self):
