@@ -117,6 +117,42 @@ def test_one_thread_budget_for_tvm_and_torch():
     assert bad.returncode != 0 and "RATEX_NUM_THREADS='many'" in bad.stderr
 
 
+_REUSE_PROBE = """
+import ctypes, resource
+import ratex.config as config
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+faults = []
+for _ in range(2):  # a 20 MB buffer, freed and allocated again, as activations are every step
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    p = libc.malloc(20 << 20)
+    libc.memset(p, 1, 20 << 20)
+    libc.free(p)
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(config.MEMORY_RETAINED, faults[1])
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or os.confstr("CS_GNU_LIBC_VERSION") is None,
+                    reason="glibc's mallopt")
+def test_freed_buffers_stay_with_the_process():
+    """ratex keeps freed CPU memory (glibc mmap/trim thresholds) so a step's buffers are not
+    page-faulted in again every step; RATEX_RETAIN_MEMORY=false or the user's own MALLOC_*
+    thresholds keep glibc's default, which gives the 20 MB back and faults it in again."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "RATEX_RETAIN_MEMORY"}
+    run = lambda **kw: subprocess.run([sys.executable, "-c", _REUSE_PROBE], env=dict(env, **kw),
+                                      capture_output=True, text=True)
+    retained, faults = run().stdout.split()
+    assert retained == "True" and int(faults) < 500, (retained, faults)
+    retained, faults = run(RATEX_RETAIN_MEMORY="false").stdout.split()
+    assert retained == "False" and int(faults) > 4000, (retained, faults)  # 20 MB = 5120 pages
+    assert run(MALLOC_TRIM_THRESHOLD_="131072").stdout.split()[0] == "False"
+    bad = run(RATEX_RETAIN_MEMORY="sometimes")
+    assert bad.returncode != 0 and "RATEX_RETAIN_MEMORY='sometimes'" in bad.stderr
+
+
 def test_factories_and_indexing_with_python_and_cpu_indices(dev):
     t = torch.tensor([[1.0, 2.0, 3.0]], device=dev)
     assert t.device == dev
