@@ -49,3 +49,20 @@ def test_fused_bfloat16_cast():
     x = torch.linspace(-3, 3, 8192).bfloat16()
     check(lambda t: [f(t.float()) for f in (torch.exp, torch.sigmoid, torch.tanh, torch.expm1, torch.tan, F.elu)],
           x, rtol=1e-6, atol=1e-6)
+
+
+def test_relu_keeps_nan_and_signed_zero_and_its_gradient_is_pytorchs(dev):
+    """relu is clamp_min(x, 0) in PyTorch: NaN stays NaN and -0.0 stays -0.0 (TVM's max(x, 0)
+    gave 0 for both); its gradient is 0 where the output is <= 0 (x = 0 included) and passes
+    where x is NaN."""
+    x = torch.tensor([float("nan"), -0.0, 0.0, -1.0, 2.0, float("inf"), float("-inf")])
+    ref = x.clone().requires_grad_()
+    torch.relu(ref).mul(3.0).sum().backward()
+    lazy = x.to(dev).requires_grad_()
+    out = torch.relu(lazy)
+    out.mul(3.0).sum().backward()
+    got = out.detach().cpu()
+    want = torch.relu(x)
+    assert torch.equal(torch.isnan(got), torch.isnan(want)) and torch.equal(torch.signbit(got), torch.signbit(want))
+    assert torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0))
+    assert torch.equal(lazy.grad.cpu(), ref.grad), (lazy.grad.cpu(), ref.grad)

@@ -202,6 +202,14 @@ def _attention_grad(orig_var, orig_call, output_grad, bb):
     return [op.permute_dims(g, bhsd) for g in (dq, dk, dv)]
 
 
+@register_gradient("relax.nn.relu", level=11)  # overrides TVM's where(x < 0, 0, g)
+def _relu_grad(orig_var, orig_call, output_grad, bb):
+    # PyTorch's threshold_backward(g, relu(x), 0): 0 where the output is <= 0, so at x = 0 too
+    # (TVM passed g there), and g where x is NaN.
+    x = orig_call.args[0]
+    return [op.where(op.less_equal(x, _const(0, x)), _const(0, x), output_grad)]
+
+
 @register_gradient("relax.take", level=11)  # overrides TVM's, whose kernel needs 1-d indices
 def _take_grad(orig_var, orig_call, output_grad, bb):
     x, indices = orig_call.args[0], orig_call.args[1]

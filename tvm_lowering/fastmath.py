@@ -15,6 +15,9 @@ inf, NaN stays NaN, and below -87.34 (where libm returns denormals down to
 1e-45) it is 0. Softmax and log_softmax keep TVM's legalization: their exp
 sits inside a reduction, where this form measured slower than libm's scalar
 call (the kernel library runs them on CPU by default).
+
+relu is legalized here too, as select(x < 0, 0, x): TVM's max(x, 0) becomes
+LLVM's maxnum, which returns 0 for NaN (and for -0.0) where PyTorch keeps them.
 """
 import tvm
 from tvm import te, tirx
@@ -70,7 +73,16 @@ def _float32(legalize):
     return rule
 
 
+def _relu(bb, call):
+    # TVM's relu is max(x, 0), which LLVM's maxnum makes 0 for NaN; PyTorch's clamp_min keeps
+    # NaN (and -0.0).
+    return bb.call_te(lambda x: te.compute(x.shape, lambda *i: tirx.Select(x(*i) < tirx.const(0, x.dtype),
+                                                                           tirx.const(0, x.dtype), x(*i)),
+                                           name="relu"), call.args[0])
+
+
 LEGALIZE = {
+    "relax.nn.relu": _relu,
     "relax.exp": _float32(lambda bb, call: bb.call_te(lambda x: te.compute(x.shape, lambda *i: _exp(x(*i)), name="exp"), call.args[0])),
     "relax.sigmoid": _float32(lambda bb, call: bb.call_te(
         lambda x: te.compute(x.shape, lambda *i: tirx.const(1, "float32") / (tirx.const(1, "float32") + _exp(-x(*i))), name="sigmoid"),
