@@ -403,3 +403,35 @@ def test_scripted_backward_of_tir_rule_ops_stays_in_tvm(dev):
     _close(out.detach().cpu(), ref_out.detach())
     for g, q in zip(grads, ref.parameters()):
         _close(g, q.grad)
+
+
+class _Pool(nn.Module):
+    def __init__(self, k, relu):
+        super().__init__()
+        self.k, self.relu = k, relu
+
+    def forward(self, x):
+        return F.max_pool2d(F.relu(x) if self.relu else x, self.k) * 1.5
+
+
+@pytest.mark.parametrize("shape,k,relu", [
+    ((2, 3, 8, 8), 2, False),  # windows tile the input: the gather (tvm_lowering/pool_grad.py)
+    ((2, 4, 8, 8), 2, True),  # ... after a relu: windows of tied zeros
+    ((2, 3, 9, 7), 2, False),  # a row and a column left over: the library kernel
+    ((2, 3, 9, 9), 3, False),  # 3x3 windows: the library kernel
+])
+def test_scripted_max_pool_gradient_is_pytorchs(dev, shape, k, relu):
+    """relax Gradient's max_pool2d_backward picks the element PyTorch's kernel picks: the first
+    of tied maxima, the last NaN of a window, the first of an all -inf window."""
+    x = torch.randint(-2, 3, shape).float()  # many ties
+    x[0, 0, :2, :2] = float("-inf")
+    x[0, 1, 0, 1] = x[0, 1, 1, 0] = float("nan")
+    ref = x.clone().requires_grad_()
+    F.max_pool2d(F.relu(ref) if relu else ref, k).mul(1.5).sum().backward()
+    xl = x.to(dev).requires_grad_()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        jit.script(_Pool(k, relu))(xl).sum().backward()
+        got = xl.grad.cpu()
+    assert not [str(w.message) for w in caught if "ratex" in str(w.message)]  # compiled, no CPU fallback
+    assert torch.equal(torch.nan_to_num(got, 9.0), torch.nan_to_num(ref.grad, 9.0)), (got - ref.grad).abs().max()

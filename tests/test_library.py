@@ -136,3 +136,30 @@ def test_auto_sends_only_large_aten_products_to_the_library(tmp_path, monkeypatc
     torch.testing.assert_close(torch.mm(big.to(dev), big.to(dev)).cpu(), big @ big, rtol=1e-4, atol=1e-4)
     assert '"ratex.lib.mm_out"' in ir.read_text()
     sync.reset_cache()
+
+
+def test_max_pool_gradients_over_tiling_windows_are_a_tvm_gather():
+    """A 2x2/stride-2 pool's gradient stays TVM code (the window winners, then a select per
+    element, pool_grad.py); overlapping, padded, leftover or 3x3 windows go to the library."""
+    from tvm_lowering import pool_grad
+
+    x = relax.Var("x", relax.TensorType([2, 3, 8, 7], "float32"))
+    shapes = {"tiles": ([2, 2], [2, 2], [2, 3, 4, 3]), "overlap": ([2, 2], [1, 1], [2, 3, 7, 6]),
+              "leftover": ([2, 2], [2, 2], [2, 3, 4, 3]), "three": ([3, 3], [3, 3], [2, 3, 2, 2])}
+    for name, (kernel, stride, out) in shapes.items():
+        src = relax.Var("x", relax.TensorType([2, 3, 8, 6 if name == "tiles" else 7], "float32"))
+        dy = relax.Var("dy", relax.TensorType(out, "float32"))
+        bb = relax.BlockBuilder()
+        with bb.function("main", [dy, src]):
+            with bb.dataflow():
+                g = bb.emit_output(relax.op.grad.max_pool2d_backward(dy, src, kernel, stride, [0, 0, 0, 0], [1, 1]))
+            bb.emit_func_output(g)
+        mod = bb.get()
+        call = mod["main"].body.blocks[0].bindings[0].value
+        assert pool_grad.windows_tile(call) == (name == "tiles"), name
+        text = library_dispatch(mod).script()
+        assert ('"ratex.lib.max_pool2d_backward"' in text) == (name != "tiles"), name
+        if name == "tiles":
+            legalized = relax.transform.LegalizeOps(pool_grad.LEGALIZE)(mod).script()
+            assert 'T.sblock("max_pool2d_argmax")' in legalized and "ratex.materialize" in legalized
+    del x

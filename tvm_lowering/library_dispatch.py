@@ -14,6 +14,7 @@ import math
 import tvm
 from tvm import relax
 
+from . import pool_grad
 from .simplify import rewrite_functions
 
 _FLOATS = ("float32", "float64")
@@ -82,6 +83,8 @@ class _Dispatch(relax.PyExprMutator):
         if name == "relax.matmul" and all(_dtype(x) == _dtype(call) for x in call.args):
             (a, ta), (b, tb) = (self._untransposed(x) for x in call.args)
             return relax.op.call_dps_packed("ratex.lib.matmul_out", relax.Tuple([a, b, _attrs(ta=ta, tb=tb)]), call.ty)
+        if name == "relax.grad.max_pool2d_backward" and pool_grad.windows_tile(call):
+            return call  # TVM code is faster (pool_grad.py)
         if name in ("relax.grad.max_pool2d_backward", "relax.grad.avg_pool2d_backward") and symmetric:
             return _either(self._pool2d_grad(call, name.split(".")[-1]), call)
         return call

@@ -6,7 +6,7 @@ import functools
 import tvm
 from tvm import relax
 
-from . import fastmath, inplace
+from . import fastmath, inplace, pool_grad
 from .library_dispatch import library_dispatch_pass
 from .simplify import fold_transposes
 from .schedules import cpu_schedule
@@ -59,8 +59,8 @@ def _stages(target: Target, donate=(), donated=None, kernel_pass=None) -> list:
     else:
         from tvm.relax.backend.cuda import pipeline as stages
     legalize = stages.legalize_passes(target.tvm)
-    if target.kind == "CPU":  # exp that vectorizes; TVM's rules for everything else
-        legalize.insert(0, relax.transform.LegalizeOps(fastmath.LEGALIZE))
+    if target.kind == "CPU":  # exp that vectorizes, max-pool gradients as a gather; TVM's rules for the rest
+        legalize.insert(0, relax.transform.LegalizeOps({**fastmath.LEGALIZE, **pool_grad.LEGALIZE}))
     if kernel_pass is not None:
         legalize.append(kernel_pass)
     if target.kind == "CPU" and os.environ.get("RATEX_CPU_SCHEDULE", "1") != "0":
@@ -76,10 +76,12 @@ def _stages(target: Target, donate=(), donated=None, kernel_pass=None) -> list:
 
 
 def _passes(target: Target, library: bool, donate=(), donated=None, kernel_pass=None, library_min_macs=0) -> list:
-    # CSE removes the forward that a script's backward recomputes; DCE what nothing reads.
-    # fold_transposes composes the t(t(x)) chains autograd leaves (simplify.py).
+    # CanonicalizeBindings resolves the `(a, (b,))[1][0]` a converted script's outputs are read
+    # through (FuseOps made an op-less group of them next to a fusable producer, and FuseTIR
+    # failed on it). CSE removes the forward that a script's backward recomputes; DCE what
+    # nothing reads. fold_transposes composes the t(t(x)) chains autograd leaves (simplify.py).
     # The library dispatch folds transposes into matmul calls: DCE drops the transposes after it.
-    cleanup = [relax.transform.EliminateCommonSubexpr(), fold_transposes]
+    cleanup = [relax.transform.CanonicalizeBindings(), relax.transform.EliminateCommonSubexpr(), fold_transposes]
     if library:
         cleanup.append(library_dispatch_pass(library_min_macs))
     cleanup.append(relax.transform.DeadCodeElimination())

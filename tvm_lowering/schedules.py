@@ -26,6 +26,9 @@ from tvm.s_tir.dlight.cpu.base import CPUScheduleRule
 _VECTOR = 16  # float32 lanes of one AVX-512 register; LLVM splits it for narrower ISAs
 _MIN_PARALLEL = 4096  # below this a parallel region costs more than it saves
 _INLINE_MAX_OPS = 64  # a producer above this many operations an element is not inlined
+# A block annotation: never inline this block (its consumer reads each element many times,
+# e.g. pool_grad's window winners; inlined, each would be recomputed per read).
+MATERIALIZE = "ratex.materialize"
 _TILE_ROWS = 8  # rows of a contraction's register tile: 8 vector accumulators
 _LOAD = tvm.ir.TensorLoad  # the class of tirx.BufferLoad (a constructor function in TVM 0.27)
 
@@ -51,7 +54,8 @@ def _fuse_elementwise(sch, infos):
     # TIR that took 96 s to compile (2.7 s left alone). Costly producers -- the random
     # bits' hash, special functions -- stay loops of their own; none of the benchmark
     # models' other kernels has a block above 6 ops an element.
-    costly = [info for info in infos if _ops_per_element(sch, info.block_rv) > _INLINE_MAX_OPS]
+    costly = [info for info in infos if _ops_per_element(sch, info.block_rv) > _INLINE_MAX_OPS
+              or MATERIALIZE in sch.get(info.block_rv).annotations]
     for info in costly + try_inline(sch, [info for info in infos if info not in costly]):
         _vectorize_block(sch, info.block_rv)
 

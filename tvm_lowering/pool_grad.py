@@ -1,0 +1,79 @@
+"""max_pool2d's gradient over windows that tile the input, as a gather TVM can vectorize.
+
+relax Gradient (`ratex.jit.script`) differentiates `max_pool2d` into
+`relax.grad.max_pool2d_backward(dy, x)`, which has no indices: TVM legalizes it
+into an unscheduled scatter, and PyTorch's kernel first recomputes the forward
+with indices (13 ms for the MNIST Net's 64x64x24x24 pool, 17 ms with the
+backward). Where the windows tile the input (stride = window, no padding or
+dilation, no leftover rows, windows up to 2x2: the usual pool), every element belongs to one
+window, and its gradient is computed where it is:
+
+    winner[n, c, i, j] = the place of window (i, j)'s max in its row-major scan
+    dx[n, c, h, w] = dy[n, c, h // kh, w // kw] if (h, w) is that place else 0
+
+The winner is PyTorch's exactly (aten/src/ATen/native/cpu/MaxPoolKernel.cpp scans
+the window row by row and takes an element when `val > maxval || isnan(val)`):
+the first of equal maxima, the last NaN if the window has one, the first element
+when all are -inf. Other pools keep the library kernel or TVM's legalization.
+"""
+from tvm import te, tirx
+
+from .schedules import MATERIALIZE
+
+
+# The winner is a chain of selects written out per window element, and each step reads the
+# last twice: the expression doubles per element (a 3x3 window's took minutes to compile).
+_MAX_WINDOW = 4
+
+
+def windows_tile(call) -> bool:
+    """Whether a `relax.grad.max_pool2d_backward` call's windows tile its NCHW input
+    exactly (stride = window, no padding or dilation, no rows or columns left over) with
+    windows of at most 4 elements."""
+    a = call.attrs
+    dy, x = call.args
+    kernel = [int(k) for k in a.pool_size]
+    if (a.layout, a.out_layout) != ("NCHW", "NCHW") or len(kernel) != 2 or len(x.ty.shape) != 4:
+        return False
+    if [int(s) for s in a.strides] != kernel or any(int(p) for p in a.padding) or any(int(d) != 1 for d in a.dilation):
+        return False
+    shapes = list(x.ty.shape)[2:] + list(dy.ty.shape)[2:]
+    if not all(isinstance(s, tirx.IntImm) for s in shapes):
+        return False
+    h, w, oh, ow = (int(s) for s in shapes)
+    return (h, w) == (oh * kernel[0], ow * kernel[1]) and min(oh, ow) > 0 and kernel[0] * kernel[1] <= _MAX_WINDOW
+
+
+def _max_pool2d_backward(bb, call):
+    if not windows_tile(call):
+        return call.op.get_attr("FLegalize")(bb, call)
+    kh, kw = (int(k) for k in call.attrs.pool_size)
+    return bb.call_te(lambda dy, x: _gather(dy, x, kh, kw), *call.args, primfunc_name_hint="max_pool2d_backward")
+
+
+def _gather(dy, x, kh, kw):
+    n, c, oh, ow = (int(s) for s in dy.shape)
+
+    def argmax(b, ch, i, j):
+        """The window's winner, as PyTorch's kernel scans it (its place in row-major order)."""
+        best, place = x(b, ch, i * kh, j * kw), tirx.const(0, "int32")
+        for q in range(1, kh * kw):
+            val = x(b, ch, i * kh + q // kw, j * kw + q % kw)
+            take = tirx.any(val > best, tirx.isnan(val))
+            best, place = tirx.Select(take, val, best), tirx.Select(take, tirx.const(q, "int32"), place)
+        return place
+
+    # One winner per window (kh*kw times fewer elements than the input), then one select
+    # per element, which vectorizes along the row and fuses with what follows.
+    winner = te.compute((n, c, oh, ow), argmax, name="max_pool2d_argmax", attrs={MATERIALIZE: 1})
+    zero = tirx.const(0, dy.dtype)
+
+    def grad(b, ch, h, w):
+        i, j = h // kh, w // kw
+        here = ((h % kh) * kw + w % kw).astype("int32")
+        return tirx.Select(winner(b, ch, i, j) == here, dy(b, ch, i, j), zero)
+
+    return te.compute(x.shape, grad, name="max_pool2d_backward")
+
+
+LEGALIZE = {"relax.grad.max_pool2d_backward": _max_pool2d_backward}
