@@ -76,12 +76,10 @@ def _stages(target: Target, donate=(), donated=None, kernel_pass=None) -> list:
 
 
 def _passes(target: Target, library: bool, donate=(), donated=None, kernel_pass=None, library_min_macs=0) -> list:
-    # CanonicalizeBindings resolves the `(a, (b,))[1][0]` a converted script's outputs are read
-    # through (FuseOps made an op-less group of them next to a fusable producer, and FuseTIR
-    # failed on it). CSE removes the forward that a script's backward recomputes; DCE what
-    # nothing reads. fold_transposes composes the t(t(x)) chains autograd leaves (simplify.py).
+    # CSE removes the forward that a script's backward recomputes; DCE what nothing reads.
+    # fold_transposes composes the t(t(x)) chains autograd leaves (simplify.py).
     # The library dispatch folds transposes into matmul calls: DCE drops the transposes after it.
-    cleanup = [relax.transform.CanonicalizeBindings(), relax.transform.EliminateCommonSubexpr(), fold_transposes]
+    cleanup = [relax.transform.EliminateCommonSubexpr(), fold_transposes]
     if library:
         cleanup.append(library_dispatch_pass(library_min_macs))
     cleanup.append(relax.transform.DeadCodeElimination())

@@ -27,4 +27,8 @@ def _script_fwd(importer, node):
 
 @rule("script_bwd.default")
 def _script_bwd(importer, node):
-    return importer.block_builder.emit(relax.TupleGetItem(_inline(importer, node, "bwd"), 1))
+    out = _inline(importer, node, "bwd")  # (loss, (gradients...)), often as a tuple literal
+    # Take the literal's field, not `(loss, grads)[1]`: next to a fusable producer of a gradient,
+    # FuseOps grouped that indexing of a literal into an op-less function FuseTIR rejects.
+    grads = out.fields[1] if isinstance(out, relax.Tuple) else relax.TupleGetItem(out, 1)
+    return importer.block_builder.emit(grads)
