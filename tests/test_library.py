@@ -143,7 +143,6 @@ def test_max_pool_gradients_over_tiling_windows_are_a_tvm_gather():
     element, pool_grad.py); overlapping, padded, leftover or 3x3 windows go to the library."""
     from tvm_lowering import pool_grad
 
-    x = relax.Var("x", relax.TensorType([2, 3, 8, 7], "float32"))
     shapes = {"tiles": ([2, 2], [2, 2], [2, 3, 4, 3]), "overlap": ([2, 2], [1, 1], [2, 3, 7, 6]),
               "leftover": ([2, 2], [2, 2], [2, 3, 4, 3]), "three": ([3, 3], [3, 3], [2, 3, 2, 2])}
     for name, (kernel, stride, out) in shapes.items():
@@ -162,4 +161,3 @@ def test_max_pool_gradients_over_tiling_windows_are_a_tvm_gather():
         if name == "tiles":
             legalized = relax.transform.LegalizeOps(pool_grad.LEGALIZE)(mod).script()
             assert 'T.sblock("max_pool2d_argmax")' in legalized and "ratex.materialize" in legalized
-    del x
