@@ -96,7 +96,7 @@ _share_threads()
 # Freed CPU buffers stay with the process, as CUDA's caching allocator keeps device memory.
 # With glibc's defaults a freed block of a few MB goes back to the OS (munmap, or a trim of
 # the executor thread's heap), and the next step page-faults its activations in again:
-# MNIST Net b64 took 13,700 faults (~16 ms) per 70 ms step. Above 32 MB blocks are still
+# MNIST Net b64 took 13,700 faults per step, 16-25 ms of a 70-74 ms step. Above 32 MB blocks are still
 # mapped and unmapped; up to 256 MB of free memory stays at the top of each heap.
 # RATEX_RETAIN_MEMORY=false, or a MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ of
 # your own, keeps glibc's behaviour.

@@ -682,7 +682,6 @@ _INPLACE_ARITH = {
     aten.lerp_.Scalar: functools.partial(_lerp_scalar, last=_value_op),
 }
 _INPLACE_RECIPES = {id(f): recipe for f, recipe in _INPLACE_ARITH.items()}  # by id, like _routes
-_NUMBERS = (int, float)
 
 
 def _inplace_arith(func, args, kwargs):
