@@ -3,6 +3,7 @@
     .venv/bin/python scripts/bench.py                       # every model x every system
     .venv/bin/python scripts/bench.py --models lenet-b1,mlp-b128 --steps 10
     .venv/bin/python scripts/bench.py --steps 45 --json bench.json
+    python scripts/bench.py --device gpu                    # on CUDA: eager, compile, ratex with RATEX_DEVICE=GPU
 
 Each (model, system) cell trains the model for --steps steps in a fresh
 subprocess (zero_grad, forward, loss, backward, optimizer step; synthetic data
@@ -11,11 +12,16 @@ batches would be). Cells run model by model, round-robin over the systems, and
 the round is repeated --repeats times (the system order rotates each round).
 
 Systems:
-  eager         CPU PyTorch
+  eager         PyTorch on the CPU (on CUDA with --device gpu)
   compile       torch.compile of the whole train-step function
-  torch_lazy    torch._lazy with the TorchScript backend (never imports ratex)
+  torch_lazy    torch._lazy with the TorchScript backend (never imports ratex; CPU only)
   ratex_lazy    ratex's lazy device
   ratex_script  ratex.jit.script(model) on ratex's lazy device
+
+--device gpu runs eager and compile on CUDA and ratex with RATEX_DEVICE=GPU. Eager
+CUDA steps run at most one step ahead of the GPU (a CUDA event per step), as ratex
+runs at most one program ahead, and with cuDNN's TF32 off, so that eager computes
+float32 convolutions as ratex does.
 
 Table 1: median ms/step over the steps after the first --warmup ones (the last
 step is also left out: it is the one whose ATen ops are counted), seconds of
@@ -99,8 +105,9 @@ class _Messages:
         return (str(w.message).strip().splitlines()[0] for w in self.log if str(w.message).strip())
 
 
-def run_cell(model_name, system, steps, warmup, caught=(), serial=False):
-    """Train one model under one system; return a dict of measurements."""
+def run_cell(model_name, system, steps, warmup, caught=(), serial=False, gpu=False):
+    """Train one model under one system (ratex: on the device RATEX_DEVICE names; the others
+    on CUDA if `gpu`); return a dict of measurements."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import torch
 
@@ -134,6 +141,10 @@ def run_cell(model_name, system, steps, warmup, caught=(), serial=False):
 
         mark, wait = lm.mark_step, lm.wait_device_ops
         counter = _DispatchCounter(rops)
+    elif gpu:
+        dev = torch.device("cuda")
+        torch.backends.cudnn.allow_tf32 = False  # float32 convolutions, as ratex computes them
+        mark, wait = _one_step_ahead(torch), torch.cuda.synchronize
     else:
         dev = torch.device("cpu")
         mark = wait = lambda: None
@@ -232,6 +243,20 @@ def run_cell(model_name, system, steps, warmup, caught=(), serial=False):
     return result
 
 
+def _one_step_ahead(torch):
+    """mark_step for eager CUDA: let Python run at most one step ahead of the GPU."""
+    last = [None]
+
+    def mark():
+        event = torch.cuda.Event()
+        event.record()
+        if last[0] is not None:
+            last[0].synchronize()
+        last[0] = event
+
+    return mark
+
+
 class _DispatchCounter:
     """Counts calls to ratex.core.ops.dispatch while installed (module attribute
     swap: tensor.py calls `ops.dispatch`, ops.py's nested calls use the global)."""
@@ -273,7 +298,7 @@ def cell_main(args):
         with warnings.catch_warnings(record=True) as log:
             warnings.simplefilter("default")
             result = run_cell(args.cell[0], args.cell[1], args.steps, args.warmup, caught=_Messages(log),
-                              serial=args.serial)
+                              serial=args.serial, gpu=args.device == "gpu")
     except Exception as exc:  # report, don't crash: the parent prints 'fails'
         import traceback
 
@@ -291,6 +316,12 @@ def _version(dist):
         return "not installed"
 
 
+def _gpu_name():
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "none visible to torch"
+
+
 def spawn(model, system, args):
     env = dict(os.environ)
     if args.threads > 0:
@@ -299,6 +330,7 @@ def spawn(model, system, args):
     tmp = None
     if system in RATEX:  # the seed tutorial's setting: parameters and optimizer state update in place
         env["ENABLE_PARAM_ALIASING"] = "false" if args.no_param_aliasing else "true"
+        env["RATEX_DEVICE"] = args.device.upper()
     if not args.warm_cache:
         if system in RATEX:
             env["RATEX_CACHE_DIR"] = ""
@@ -308,17 +340,17 @@ def spawn(model, system, args):
             env["TORCHINDUCTOR_CACHE_DIR"] = tmp.name
     try:
         return run_process(model, system, env, steps=args.steps, warmup=args.warmup, timeout=args.timeout,
-                           verbose=args.verbose, serial=args.serial)
+                           verbose=args.verbose, serial=args.serial, device=args.device)
     finally:
         if tmp is not None:
             tmp.cleanup()
 
 
-def run_process(model, system, env, *, steps, warmup, timeout, verbose=False, serial=False):
+def run_process(model, system, env, *, steps, warmup, timeout, verbose=False, serial=False, device="cpu"):
     """Run one cell in a fresh process with environment `env`; return its result dict (with
     "error" if it failed). scripts/tune.py times its configurations with it too."""
     cmd = [sys.executable, os.path.abspath(__file__), "--cell", model, system,
-           "--steps", str(steps), "--warmup", str(warmup)] + (["--serial"] if serial else [])
+           "--steps", str(steps), "--warmup", str(warmup), "--device", device] + (["--serial"] if serial else [])
     start = time.time()
     # own process group, so a timeout also ends the cell's helpers (e.g. inductor's compile workers)
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -467,7 +499,10 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--models", default=",".join(MODELS), help="comma-separated: " + ",".join(MODELS))
-    p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated: " + ",".join(SYSTEMS))
+    p.add_argument("--systems", help="comma-separated: " + ",".join(SYSTEMS) + " (default: all; with --device gpu "
+                   "all but torch_lazy)")
+    p.add_argument("--device", choices=("cpu", "gpu"), default="cpu",
+                   help="gpu: eager and compile on CUDA, ratex with RATEX_DEVICE=GPU")
     p.add_argument("--steps", type=int, default=20, help="train steps per cell (45 when checking losses)")
     p.add_argument("--warmup", type=int, default=3, help="first steps left out of the median")
     p.add_argument("--repeats", type=int, default=1, help="rounds over the systems per model")
@@ -490,13 +525,17 @@ def main():
         return cell_main(args)
 
     models = [m for m in args.models.split(",") if m]
-    systems = [s for s in args.systems.split(",") if s]
+    gpu_systems = [s for s in SYSTEMS if s != "torch_lazy"]
+    systems = [s for s in (args.systems or ",".join(gpu_systems if args.device == "gpu" else SYSTEMS)).split(",") if s]
     bad = [m for m in models if m not in MODELS] + [s for s in systems if s not in SYSTEMS]
     if bad:
         p.error(f"unknown model/system: {', '.join(bad)}")
+    if args.device == "gpu" and "torch_lazy" in systems:
+        p.error("torch_lazy is benchmarked on the CPU only; --device gpu takes " + ",".join(gpu_systems))
 
     print(f"torch {_version('torch')}, apache-tvm {_version('apache-tvm')}, python {platform.python_version()}, "
-          f"{os.cpu_count()} cores ({platform.machine()}), load average {os.getloadavg()[0]:.2f}")
+          f"{os.cpu_count()} cores ({platform.machine()}), load average {os.getloadavg()[0]:.2f}"
+          + (f", GPU: {_gpu_name()}" if args.device == "gpu" else ""))
     print(f"{args.steps} steps per cell, median over steps {args.warmup + 1}..{args.steps - 1}, "
           f"{args.repeats} repeat(s), timeout {args.timeout:g} s, "
           f"{args.threads if args.threads > 0 else 'default'} thread(s) per cell, "
@@ -520,6 +559,7 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"torch": _version("torch"), "tvm": _version("apache-tvm"), "cores": os.cpu_count(),
+                       "device": args.device,
                        "args": vars(args), "cells": [cells[k] for k in runs]}, f, indent=1)
 
 

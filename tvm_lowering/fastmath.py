@@ -16,8 +16,9 @@ inf, NaN stays NaN, and below -87.34 (where libm returns denormals down to
 sits inside a reduction, where this form measured slower than libm's scalar
 call (the kernel library runs them on CPU by default).
 
-relu is legalized here too, as select(x < 0, 0, x): TVM's max(x, 0) becomes
-LLVM's maxnum, which returns 0 for NaN (and for -0.0) where PyTorch keeps them.
+relu is legalized here too, on every target, as select(x < 0, 0, x): TVM's
+max(x, 0) becomes LLVM's maxnum (CUDA's fmaxf), which returns 0 for NaN (and
+for -0.0) where PyTorch keeps them.
 """
 import tvm
 from tvm import te, tirx
@@ -78,15 +79,20 @@ def _relu(bb, call):
     # NaN (and -0.0).
     return bb.call_te(lambda x: te.compute(x.shape, lambda *i: tirx.Select(x(*i) < tirx.const(0, x.dtype),
                                                                            tirx.const(0, x.dtype), x(*i)),
-                                           name="relu"), call.args[0])
+                                           name="relu"), call.args[0], primfunc_name_hint="relu")
 
 
+# Rules for every target: CUDA's fmaxf drops NaN as LLVM's maxnum does.
+EXACT = {"relax.nn.relu": _relu}
+
+# The CPU pipeline's rules: EXACT's, and exp and sigmoid that vectorize.
 LEGALIZE = {
-    "relax.nn.relu": _relu,
-    "relax.exp": _float32(lambda bb, call: bb.call_te(lambda x: te.compute(x.shape, lambda *i: _exp(x(*i)), name="exp"), call.args[0])),
+    **EXACT,
+    "relax.exp": _float32(lambda bb, call: bb.call_te(lambda x: te.compute(x.shape, lambda *i: _exp(x(*i)), name="exp"), call.args[0],
+                                                      primfunc_name_hint="exp")),
     "relax.sigmoid": _float32(lambda bb, call: bb.call_te(
         lambda x: te.compute(x.shape, lambda *i: tirx.const(1, "float32") / (tirx.const(1, "float32") + _exp(-x(*i))), name="sigmoid"),
-        call.args[0])),
+        call.args[0], primfunc_name_hint="sigmoid")),
 }
 
 

@@ -59,8 +59,11 @@ def _stages(target: Target, donate=(), donated=None, kernel_pass=None) -> list:
     else:
         from tvm.relax.backend.cuda import pipeline as stages
     legalize = stages.legalize_passes(target.tvm)
-    if target.kind == "CPU":  # exp that vectorizes, max-pool gradients as a gather; TVM's rules for the rest
-        legalize.insert(0, relax.transform.LegalizeOps({**fastmath.LEGALIZE, **pool_grad.LEGALIZE}))
+    # On both targets: relu that keeps NaN, max-pool gradients as a gather (TVM's own rule is a
+    # scatter that the CUDA pipeline's default schedules reject). On CPU also exp that vectorizes.
+    # TVM's rules for the rest.
+    rules = {**(fastmath.LEGALIZE if target.kind == "CPU" else fastmath.EXACT), **pool_grad.LEGALIZE}
+    legalize.insert(0, relax.transform.LegalizeOps(rules))
     if kernel_pass is not None:
         legalize.append(kernel_pass)
     if target.kind == "CPU" and os.environ.get("RATEX_CPU_SCHEDULE", "1") != "0":

@@ -81,7 +81,11 @@ class GPUBackend:
     view_cpu = download
 
     def call(self, fn, inputs: list, empty: bool) -> list:
-        return list(fn(*inputs))
+        outs = list(fn(*inputs))
+        # Kernels launch asynchronously: wait here, on the executor thread, so that a program
+        # counts as done (wait_device_ops, ExecuteTime) when its kernels have run.
+        self.dev.sync()
+        return outs
 
     def copy(self, data):
         return data.copyto(self.dev)

@@ -57,7 +57,7 @@ def _unary(name, fn, relax_form=None):
             x = imp.block_builder.emit(relax.op.astype(x, out_dtype))
         if imp.differentiable and relax_form is not None:
             return imp.block_builder.emit(relax_form(x, lambda v: relax.const(v, out_dtype)))
-        return emit_te(imp, lambda t: te.compute(t.shape, lambda *i: fn(t(*i)), name=name), x)
+        return emit_te(imp, lambda t: te.compute(t.shape, lambda *i: fn(t(*i)), name=name), x, primfunc_name_hint=name)
 
     return lower
 
