@@ -2,7 +2,8 @@
 
 On CPU, device data is a contiguous torch CPU tensor that TVM reads and
 writes through DLPack without copies. On GPU it is a `tvm.runtime.Tensor` in
-CUDA memory. Nothing outside this module needs to know which.
+CUDA memory (allocated by PyTorch's CUDA allocator where torch has CUDA, and
+shared with TVM by DLPack). Nothing outside this module needs to know which.
 """
 import functools
 
@@ -69,8 +70,14 @@ class GPUBackend:
     def __init__(self):
         self.target = resolve_target("GPU", _cuda_arch())
         self.dev = tvm.cuda(0)
+        self.torch_cuda = torch.cuda.is_available()
 
     def upload(self, cpu: torch.Tensor):
+        if self.torch_cuda and cpu.numel() > 0:
+            # From pinned memory the copy is queued behind the running program and this thread
+            # goes on tracing; TVM's own copy (below) waits for that program to finish.
+            pinned = cpu.detach().contiguous().pin_memory()
+            return tvm.runtime.from_dlpack(pinned.to("cuda", non_blocking=True))
         return tvm.runtime.tensor(_numpy(cpu), device=self.dev)
 
     adopt = upload

@@ -5,6 +5,7 @@ import os
 import time
 import warnings
 
+import torch
 import tvm
 from tvm import relax
 
@@ -93,16 +94,20 @@ def _own_buffers(be, inputs: list, outs: list, donate: frozenset):
 
 
 def use_library(kind: str) -> bool:
-    """Whether matmul/conv go to the kernel library (ratex/core/kernels.py) on this target."""
-    if kind != "CPU":
-        return False  # the library wraps torch's CPU kernels
-    return config.KERNELS in ("AUTO", "LIBRARY")
+    """Whether matmul/conv go to the kernel library (ratex/core/kernels.py) on this target:
+    PyTorch's CPU kernels on CPU; on GPU its CUDA kernels (cuBLAS, cuDNN), where this torch
+    has CUDA."""
+    if config.KERNELS not in ("AUTO", "LIBRARY"):
+        return False
+    return kind == "CPU" or torch.cuda.is_available()
 
 
-def library_min_macs() -> int:
+def library_min_macs(kind: str) -> int:
     """The smallest matmul/conv (multiply-adds) sent to the library: `auto` keeps small ones
-    as TVM code (see tvm_lowering/library_dispatch.py AUTO_MIN_MACS), `library` sends all."""
-    return AUTO_MIN_MACS if config.KERNELS == "AUTO" else 0
+    as TVM code on CPU (see tvm_lowering/library_dispatch.py AUTO_MIN_MACS), `library` sends all.
+    On GPU `auto` sends all too: TVM's default CUDA schedule for a convolution is a plain loop
+    nest per thread (LeNet-5 b64's step ran 3-4x eager CUDA's), and small sizes were not measured apart."""
+    return AUTO_MIN_MACS if config.KERNELS == "AUTO" and kind == "CPU" else 0
 
 
 def compile_graph(graph: Graph, donate=()) -> Program:
@@ -119,7 +124,7 @@ def _compile(graph: Graph, donate: tuple) -> Program:
     be = backend()
     with metrics.timed("LowerTime"):
         library = use_library(be.target.kind)
-        min_macs = library_min_macs()
+        min_macs = library_min_macs(be.target.kind)
         mod = tvm_lowering.import_graph(
             to_fx(graph), library=library, host_kernels=be.target.kind == "CPU", library_min_macs=min_macs
         )

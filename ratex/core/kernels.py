@@ -1,9 +1,9 @@
-"""The `ratex.lib.*` kernel library: PyTorch's own CPU kernels, called from compiled programs.
+"""The `ratex.lib.*` kernel library: PyTorch's own kernels, called from compiled programs.
 
 tvm_lowering/ops/library.py and library_dispatch.py emit calls of these
 functions for matmul, convolution and a few other ops; they receive TVM
 tensors, view them as torch tensors through DLPack (no copies) and run ATen's
-kernel. The `*_out` ones are destination-passing (`call_dps_packed`): they write
+kernel (CPU, or CUDA for GPU data). The `*_out` ones are destination-passing (`call_dps_packed`): they write
 into an output the program allocated and planned, so a large result costs no
 fresh allocation. The others hand back a new tensor the same way, never an input
 or a view of one: buffer donation (tvm_lowering/inplace.py) relies on that.
@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 import tvm
+
+from .. import config
 
 aten = torch.ops.aten
 
@@ -100,9 +102,10 @@ def _conv2d_transpose(x, w, attrs):
 
 def _conv2d_weight_grad(x, dy, attrs):
     cfg = _attrs(attrs)
-    weight = torch.empty(cfg["weight"], dtype=torch.from_dlpack(x).dtype)  # only its sizes are read
+    xt = torch.from_dlpack(x)
+    weight = torch.empty(cfg["weight"], dtype=xt.dtype, device=xt.device)  # only its sizes are read
     _, gw, _ = aten.convolution_backward.default(
-        torch.from_dlpack(dy), torch.from_dlpack(x), weight, None, cfg["stride"], cfg["padding"], cfg["dilation"],
+        torch.from_dlpack(dy), xt, weight, None, cfg["stride"], cfg["padding"], cfg["dilation"],
         False, [0, 0], 1, [False, True, False],
     )
     return _out(gw)
@@ -127,11 +130,13 @@ def _avg_pool2d_backward(dy, x, attrs):
 
 def _convolution_backward(g, x, w, attrs):
     cfg = _attrs(attrs)
+    gt = torch.from_dlpack(g)
     outs = aten.convolution_backward.default(
-        torch.from_dlpack(g), torch.from_dlpack(x), torch.from_dlpack(w), cfg["bias_sizes"], cfg["stride"],
+        gt, torch.from_dlpack(x), torch.from_dlpack(w), cfg["bias_sizes"], cfg["stride"],
         cfg["padding"], cfg["dilation"], cfg["transposed"], cfg["output_padding"], cfg["groups"], cfg["output_mask"],
     )
-    return [_out(o if o is not None else torch.zeros(1)) for o in outs]  # (a None output: a placeholder)
+    # (a None output: a float32 placeholder, as library.py types it)
+    return [_out(o if o is not None else torch.zeros(1, device=gt.device)) for o in outs]
 
 
 @functools.lru_cache(maxsize=None)
@@ -187,6 +192,8 @@ def _load_native():
     turned off, not built, or built for another torch (its ATen ABI may differ)."""
     if os.environ.get("RATEX_NATIVE_KERNELS", "1") == "0" or not _NATIVE_PATH.exists():
         return None
+    if config.DEVICE != "CPU":
+        return None  # they hand back CPU tensors; on GPU the Python kernels run torch's CUDA ones
     try:
         lib = ctypes.CDLL(str(_NATIVE_PATH))
     except OSError as e:
