@@ -124,6 +124,47 @@ def test_adaptive_pool_backward():
           ops=["adaptive_max_pool2d_backward.default", "_adaptive_avg_pool3d_backward.default"])
 
 
+def _pool_grads(g, a, window, stride, padding=0):
+    _, i = aten.max_pool2d_with_indices.default(a, [window, window], [stride, stride], [padding, padding])
+    return aten.max_pool2d_with_indices_backward.default(g, a, [window, window], [stride, stride],
+                                                         [padding, padding], [1, 1], False, i)
+
+
+def _lowered_text(fn, *args):
+    """The Relax module the lazy device builds for fn(*args) (nothing is run)."""
+    out = fn(*[a.to("lazy") for a in args])  # noqa: F841  (kept alive: pending until the cut)
+    step = graph.cut([st.value for st in sync.pending_storages()])
+    text = tvm_lowering.import_graph(graph.to_fx(step), library=True, host_kernels=True).script()
+    lm.mark_step()
+    return text
+
+
+def test_max_pool_gradient_with_its_own_indices_is_a_gather():
+    """Tiling 2x2 windows whose indices come from the forward in the same graph: a gather per input
+    element. Ties (first wins), NaN (last wins), all -inf windows and a leftover-free 3-D input;
+    overlapping windows, padding, indices of another window or from outside the graph keep the
+    scatter."""
+    x = torch.randn(2, 3, 6, 8)
+    x[0, 0, :2, :2] = 1.0  # a tie
+    x[0, 1, 2:4, 2:4] = torch.tensor([[NAN, 0.5], [NAN, 2.0]])
+    x[1, 2, 4:6, 6:8] = -INF
+    g = torch.randn(2, 3, 3, 4)
+    check(lambda gg, a, g3, a3: (_pool_grads(gg, a, 2, 2), _pool_grads(g3, a3, 2, 2)),
+          g, x, torch.randn(3, 3, 4), x[0], ops=["max_pool2d_with_indices_backward.default"])
+    assert "max_pool2d_backward_gather" in _lowered_text(lambda gg, a: _pool_grads(gg, a, 2, 2), g, x)
+    text = _lowered_text(lambda gg, a: _pool_grads(gg, a, 3, 2, 1), torch.randn(2, 3, 3, 4), x)
+    assert "gather" not in text and "scatter_elements" in text
+
+    def other_indices(gg, a, i):
+        _, flipped = aten.max_pool2d_with_indices.default(a.flip(-1), [2, 2], [2, 2])  # same window: gather
+        _, wider = aten.max_pool2d_with_indices.default(a, [3, 3], [2, 2], [1, 1])  # 3x3 windows, same shape
+        return [aten.max_pool2d_with_indices_backward.default(gg, a, [2, 2], [2, 2], [0, 0], [1, 1], False, k)
+                for k in (i, flipped, wider)]
+
+    check(other_indices, g, x, torch.randint(0, 48, (2, 3, 3, 4)),
+          ops=["max_pool2d_with_indices_backward.default"])
+
+
 def test_index_select_zero_dim():
     check(lambda a, b, i: (a.index_select(0, i), b.index_select(-1, i + 2), b.index_select(0, i.reshape(1))),
           torch.tensor(2.0), torch.randn(3, 4), torch.tensor(0), ops=["index_select.default"])

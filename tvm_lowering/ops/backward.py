@@ -1,6 +1,9 @@
 """Rules for the backward ops autograd emits on the lazy device."""
 import math
+import operator
 
+import torch
+from torch import fx
 from tvm import relax, te, tirx
 
 from . import rule
@@ -216,12 +219,49 @@ def convolution_backward(imp, node):
 
 
 # ---- pooling ---------------------------------------------------------------------------------
+def _pool_indices_in_window(node):
+    """Whether a max_pool2d_with_indices_backward call's windows tile its input (stride =
+    window, no padding or dilation, no rows or columns left over) and its indices are ones
+    that max_pool2d_with_indices computed in this graph with that window over a plane of the
+    same size: then every index lies in its own window, which no other window overlaps."""
+    kernel, stride = pair(arg(node, 2, "kernel_size")), arg(node, 3, "stride")
+    stride = pair(stride) if stride else kernel  # [] = the window, as in the forward
+    padding, dilation = pair(arg(node, 4, "padding")), pair(arg(node, 5, "dilation"))
+    g, x, idx = node.args[0], node.args[1], arg(node, 7, "indices")
+    xs, gs = list(x.meta["val"].shape), list(g.meta["val"].shape)
+    tiles = (stride == kernel and padding == [0, 0] and dilation == [1, 1] and len(xs) >= 3
+             and xs[-2:] == [gs[-2] * kernel[0], gs[-1] * kernel[1]])
+    if not (tiles and isinstance(idx, fx.Node) and idx.target is operator.getitem and idx.args[1] == 1):
+        return False
+    pool = idx.args[0]
+    if getattr(pool, "target", None) is not torch.ops.aten.max_pool2d_with_indices.default:
+        return False
+    window = list(pool_window(pool)) + [pair(arg(pool, 4, "dilation", 1))]
+    return window == [kernel, stride, padding, dilation] and list(pool.args[0].meta["val"].shape)[-2:] == xs[-2:]
+
+
+def _pool_grad_gather(g, idx, kernel, x_shape):
+    """dx[.., h, w] = g[.., h // kh, w // kw] where that window's index is (h, w), else 0."""
+    kh, kw = kernel
+    width = x_shape[-1]
+
+    def body(*i):
+        window = (*i[:-2], tirx.floordiv(i[-2], kh), tirx.floordiv(i[-1], kw))
+        here = (i[-2] * width + i[-1]).astype(idx.dtype)
+        return tirx.Select(idx[window] == here, g[window], tirx.const(0, g.dtype))
+
+    return te.compute(x_shape, body, name="max_pool2d_backward_gather")
+
+
 @rule("max_pool2d_with_indices_backward.default")
 def max_pool2d_with_indices_backward(imp, node):
     g = env(imp, node.args[0])
     x = env(imp, node.args[1])
     idx = env(imp, arg(node, 7, "indices"))
     xs, gs = shape(x), shape(g)
+    if _pool_indices_in_window(node):  # a gather, per input element: no zero fill, no scatter
+        return emit_te(imp, _pool_grad_gather, g, idx, pair(arg(node, 2, "kernel_size")), xs,
+                       primfunc_name_hint="max_pool2d_backward_gather")
     lead = xs[:-2]
     plane = xs[-2] * xs[-1]
     gflat = emit(imp, op.reshape(g, lead + [gs[-2] * gs[-1]]))
