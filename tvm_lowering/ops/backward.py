@@ -228,10 +228,12 @@ def _pool_indices_in_window(node):
     stride = pair(stride) if stride else kernel  # [] = the window, as in the forward
     padding, dilation = pair(arg(node, 4, "padding")), pair(arg(node, 5, "dilation"))
     g, x, idx = node.args[0], node.args[1], arg(node, 7, "indices")
+    if not all(isinstance(a, fx.Node) for a in (g, x, idx)):
+        return False
     xs, gs = list(x.meta["val"].shape), list(g.meta["val"].shape)
     tiles = (stride == kernel and padding == [0, 0] and dilation == [1, 1] and len(xs) >= 3
              and xs[-2:] == [gs[-2] * kernel[0], gs[-1] * kernel[1]])
-    if not (tiles and isinstance(idx, fx.Node) and idx.target is operator.getitem and idx.args[1] == 1):
+    if not (tiles and idx.target is operator.getitem and idx.args[1] == 1):
         return False
     pool = idx.args[0]
     if getattr(pool, "target", None) is not torch.ops.aten.max_pool2d_with_indices.default:
