@@ -26,22 +26,42 @@ from .schedules import MATERIALIZE
 _MAX_WINDOW = 4
 
 
+def tiles(kernel, stride, padding, dilation, in_hw, out_hw) -> bool:
+    """Whether 2-D pooling windows tile a plane exactly: stride = window, no padding or
+    dilation, no rows or columns left over. Then every element lies in one window."""
+    kernel, in_hw, out_hw = [int(k) for k in kernel], [int(v) for v in in_hw], [int(v) for v in out_hw]
+    return ([int(v) for v in stride] == kernel and not any(int(p) for p in padding)
+            and all(int(d) == 1 for d in dilation) and min(out_hw) > 0
+            and in_hw == [out_hw[0] * kernel[0], out_hw[1] * kernel[1]])
+
+
+def select_winners(dy, shape, kernel, is_winner, name):
+    """dx[.., h, w] = dy[.., h // kh, w // kw] where `is_winner(window, h, w)` (window: the
+    index of (h, w)'s window in dy), else 0: one select per element, which vectorizes along
+    the row and fuses with what follows."""
+    kh, kw = kernel
+    zero = tirx.const(0, dy.dtype)
+
+    def grad(*i):
+        window = (*i[:-2], i[-2] // kh, i[-1] // kw)
+        return tirx.Select(is_winner(window, i[-2], i[-1]), dy(*window), zero)
+
+    return te.compute(shape, grad, name=name)
+
+
 def windows_tile(call) -> bool:
     """Whether a `relax.grad.max_pool2d_backward` call's windows tile its NCHW input
-    exactly (stride = window, no padding or dilation, no rows or columns left over) with
-    windows of at most 4 elements."""
+    exactly (see `tiles`) with windows of at most 4 elements."""
     a = call.attrs
     dy, x = call.args
     kernel = [int(k) for k in a.pool_size]
     if (a.layout, a.out_layout) != ("NCHW", "NCHW") or len(kernel) != 2 or len(x.ty.shape) != 4:
         return False
-    if [int(s) for s in a.strides] != kernel or any(int(p) for p in a.padding) or any(int(d) != 1 for d in a.dilation):
-        return False
     shapes = list(x.ty.shape)[2:] + list(dy.ty.shape)[2:]
     if not all(isinstance(s, tirx.IntImm) for s in shapes):
         return False
-    h, w, oh, ow = (int(s) for s in shapes)
-    return (h, w) == (oh * kernel[0], ow * kernel[1]) and min(oh, ow) > 0 and kernel[0] * kernel[1] <= _MAX_WINDOW
+    return (tiles(kernel, a.strides, a.padding, a.dilation, shapes[:2], shapes[2:])
+            and kernel[0] * kernel[1] <= _MAX_WINDOW)
 
 
 def _max_pool2d_backward(bb, call):
@@ -63,17 +83,11 @@ def _gather(dy, x, kh, kw):
             best, place = tirx.Select(take, val, best), tirx.Select(take, tirx.const(q, "int32"), place)
         return place
 
-    # One winner per window (kh*kw times fewer elements than the input), then one select
-    # per element, which vectorizes along the row and fuses with what follows.
+    # One winner per window (kh*kw times fewer elements than the input), then one select per element.
     winner = te.compute((n, c, oh, ow), argmax, name="max_pool2d_argmax", attrs={MATERIALIZE: 1})
-    zero = tirx.const(0, dy.dtype)
-
-    def grad(b, ch, h, w):
-        i, j = h // kh, w // kw
-        here = ((h % kh) * kw + w % kw).astype("int32")
-        return tirx.Select(winner(b, ch, i, j) == here, dy(b, ch, i, j), zero)
-
-    return te.compute(x.shape, grad, name="max_pool2d_backward")
+    return select_winners(dy, x.shape, (kh, kw),
+                          lambda window, h, w: winner(*window) == ((h % kh) * kw + w % kw).astype("int32"),
+                          "max_pool2d_backward")
 
 
 LEGALIZE = {"relax.grad.max_pool2d_backward": _max_pool2d_backward}

@@ -6,6 +6,7 @@ import torch
 from torch import fx
 from tvm import relax, te, tirx
 
+from .. import pool_grad
 from . import rule
 from .nn import arg, cast, dtype, emit, emit_te, env, nll_pick, out_meta, pair, pool_window, scalar, shape, tuple_out, zeros
 
@@ -220,10 +221,10 @@ def convolution_backward(imp, node):
 
 # ---- pooling ---------------------------------------------------------------------------------
 def _pool_indices_in_window(node):
-    """Whether a max_pool2d_with_indices_backward call's windows tile its input (stride =
-    window, no padding or dilation, no rows or columns left over) and its indices are ones
-    that max_pool2d_with_indices computed in this graph with that window over a plane of the
-    same size: then every index lies in its own window, which no other window overlaps."""
+    """Whether a max_pool2d_with_indices_backward call's windows tile its input (see
+    pool_grad.tiles) and its indices are ones that max_pool2d_with_indices computed in this
+    graph with that window over a plane of the same size: then every index lies in its own
+    window, which no other window overlaps."""
     kernel, stride = pair(arg(node, 2, "kernel_size")), arg(node, 3, "stride")
     stride = pair(stride) if stride else kernel  # [] = the window, as in the forward
     padding, dilation = pair(arg(node, 4, "padding")), pair(arg(node, 5, "dilation"))
@@ -231,9 +232,9 @@ def _pool_indices_in_window(node):
     if not all(isinstance(a, fx.Node) for a in (g, x, idx)):
         return False
     xs, gs = list(x.meta["val"].shape), list(g.meta["val"].shape)
-    tiles = (stride == kernel and padding == [0, 0] and dilation == [1, 1] and len(xs) >= 3
-             and xs[-2:] == [gs[-2] * kernel[0], gs[-1] * kernel[1]])
-    if not (tiles and idx.target is operator.getitem and idx.args[1] == 1):
+    if len(xs) < 3 or not pool_grad.tiles(kernel, stride, padding, dilation, xs[-2:], gs[-2:]):
+        return False
+    if not (idx.target is operator.getitem and idx.args[1] == 1):
         return False
     pool = idx.args[0]
     if getattr(pool, "target", None) is not torch.ops.aten.max_pool2d_with_indices.default:
@@ -243,16 +244,11 @@ def _pool_indices_in_window(node):
 
 
 def _pool_grad_gather(g, idx, kernel, x_shape):
-    """dx[.., h, w] = g[.., h // kh, w // kw] where that window's index is (h, w), else 0."""
-    kh, kw = kernel
+    """The gradient lands where its window's index points: idx holds flat places h * W + w."""
     width = x_shape[-1]
-
-    def body(*i):
-        window = (*i[:-2], tirx.floordiv(i[-2], kh), tirx.floordiv(i[-1], kw))
-        here = (i[-2] * width + i[-1]).astype(idx.dtype)
-        return tirx.Select(idx[window] == here, g[window], tirx.const(0, g.dtype))
-
-    return te.compute(x_shape, body, name="max_pool2d_backward_gather")
+    return pool_grad.select_winners(g, x_shape, kernel,
+                                    lambda window, h, w: idx(*window) == (h * width + w).astype(idx.dtype),
+                                    "max_pool2d_backward_gather")
 
 
 @rule("max_pool2d_with_indices_backward.default")
