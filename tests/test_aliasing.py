@@ -184,10 +184,10 @@ def test_two_tensors_never_share_a_buffer(dev, aliasing):
 def test_failed_step_does_not_restore_donated_buffers(dev, aliasing, monkeypatch):
     from ratex.core import executor, launch
 
-    w, u = torch.ones(4).to(dev), torch.zeros(4).to(dev)
+    w, u, v = torch.ones(4).to(dev), torch.zeros(4).to(dev), torch.ones(4).to(dev)
     lm.mark_step()
     w.add_(1)
-    u.fill_(5)  # doesn't read its old value: nothing to donate, so it can roll back
+    u.copy_(v * 5)  # doesn't read its old value: nothing to donate, so it can roll back
 
     def fail(self, inputs):
         raise RuntimeError("injected failure")

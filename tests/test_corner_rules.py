@@ -4,7 +4,7 @@ dim lists. Each is compared with CPU PyTorch and required to be lowered (no `ate
 import pytest
 import torch
 
-from test_rules import check
+from test_rules import check, in_backward
 
 aten = torch.ops.aten
 
@@ -53,11 +53,13 @@ def test_var_corners(shape, dim, correction):
 
 
 def test_creation_in_the_dtype_asked_for():
+    # inside a backward, where creation ops are graph nodes (outside it they are data at once)
     x = torch.randn(5)
-    check(lambda t: (t.new_zeros([2, 3], dtype=torch.float64), t.new_ones([4], dtype=torch.int32),
-                     torch.zeros_like(t, dtype=torch.int64), torch.ones_like(t, dtype=torch.bool),
-                     t.new_full([2, 2], 2.5, dtype=torch.float64), t.new_full([3], 7, dtype=torch.int16),
-                     t.new_full((1, 2), 1.25, device=t.device), torch.isreal(t)),
+    check(lambda t: in_backward(lambda g: (
+        g.new_zeros([2, 3], dtype=torch.float64), g.new_ones([4], dtype=torch.int32),
+        torch.zeros_like(g, dtype=torch.int64), torch.ones_like(g, dtype=torch.bool),
+        g.new_full([2, 2], 2.5, dtype=torch.float64), g.new_full([3], 7, dtype=torch.int16),
+        g.new_full((1, 2), 1.25, device=g.device), torch.isreal(g)), t),
           x, ops=["new_zeros.default", "new_ones.default", "zeros_like.default", "ones_like.default",
                   "new_full.default"])
 

@@ -57,6 +57,25 @@ def _decomposes(name):
     return torch._C._dispatch_has_kernel_for_dispatch_key(qualified, "CompositeImplicitAutograd")
 
 
+def in_backward(fn, x):
+    """fn(g) run inside autograd's backward, g = ones like `x`: there creation ops (zeros_like,
+    new_full, ...) are traced as graph nodes; outside it they are device data at once."""
+    out = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            out.append(fn(g))
+            return g
+
+    Probe.apply(x.detach().clone().requires_grad_()).sum().backward()
+    return out[0]
+
+
 def rnd(*shape, dtype=torch.float32):
     return torch.randn(*shape, dtype=dtype)
 
@@ -261,12 +280,37 @@ def test_slice_and_select_scatter_on_attention_projection_shapes():
 
 
 def test_full_with_special_and_lifted_fill_values():
-    # nn.Transformer's causal mask: full(-inf) then triu; 2.5 is lifted to a graph input
-    check(
-        lambda x: (torch.triu(torch.full((3, 3), float("-inf"), device=x.device), 1) + x,
-                   torch.full((2, 3), 2.5, device=x.device) * x[:2], torch.full((2,), 7, device=x.device)),
-        rnd(3, 3), ops=["full.default"],
-    )
+    # nn.Transformer's causal mask: full(-inf) then triu; 2.5 is lifted to a graph input. A fill
+    # through a view is a full node written into the base (a whole tensor's fill is data at once).
+    def fills(x):
+        a, b, c = x.clone(), x.clone(), torch.zeros(4, dtype=torch.int64, device=x.device)
+        a[:].fill_(float("-inf"))
+        b[:2].fill_(2.5)
+        c[1:3].fill_(7)
+        return torch.triu(a, 1) + x, b * x, c
+
+    check(fills, rnd(3, 3), ops=["full.default"])
+
+
+def test_whole_tensor_fills_are_data_and_match_cpu():
+    """torch.zeros/ones/full on the lazy device, the *_like and new_* forms and x.zero_() give
+    device data at once (optimizer state made so is an input of the first step's program as of
+    every later one's); the values and dtypes are PyTorch's."""
+    def make(t):
+        z = t.clone()
+        z.zero_()
+        return (torch.zeros((), device=t.device), torch.ones(2, 3, dtype=torch.int32, device=t.device),
+                torch.full((2,), float("-inf"), device=t.device), torch.zeros_like(t), torch.ones_like(t, dtype=torch.bool),
+                torch.full_like(t, 2.5), t.new_zeros([2]), t.new_full([3], 7, dtype=torch.int16), z)
+
+    x = rnd(2, 3)
+    lazy = make(x.to("lazy"))
+    assert all(r._st.value[0].results[0] is not None for r in lazy), "a fill is still pending"
+    for got, want in zip(lazy, make(x)):
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got.cpu(), want)
+    # a transposed input's zeros_like keeps its strides (preserve_format): traced, as before
+    check(lambda t: torch.zeros_like(t.t()).stride(), rnd(2, 3))
 
 
 @pytest.mark.parametrize("shape,dims", [((64, 48), [0]), ((5, 3, 32), [0, 1]), ((4, 7, 16, 3), [0, 3]), ((33, 10), [1]),

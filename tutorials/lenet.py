@@ -73,8 +73,8 @@ def main():
             loss = F.nll_loss(model(x), y)
             loss.backward()
             optimizer.step()
+            total += loss.detach()  # before mark_step: part of this step's program
             lm.mark_step()
-            total += loss.detach()
         print(f"Epoch {epoch}/{args.epochs - 1} loss: {total.item() / len(batches):.4f}")
     print(f"{args.epochs} epochs in {time.time() - start:.1f} s")
 

@@ -32,6 +32,10 @@ class CPUBackend:
         """Return device data that takes over `cpu` (caller promises not to keep it)."""
         return cpu if cpu.is_contiguous() else cpu.contiguous()
 
+    def full(self, shape: tuple, value, dtype: torch.dtype):
+        """Return new device data of `shape` and `dtype` holding `value` everywhere."""
+        return torch.full(shape, value, dtype=dtype)
+
     def download(self, data) -> torch.Tensor:
         """Return a CPU tensor the caller may modify."""
         return data.clone()
@@ -81,6 +85,11 @@ class GPUBackend:
         return tvm.runtime.tensor(_numpy(cpu), device=self.dev)
 
     adopt = upload
+
+    def full(self, shape: tuple, value, dtype: torch.dtype):
+        if self.torch_cuda:  # filled on the GPU, in the order of the uploads
+            return tvm.runtime.from_dlpack(torch.full(shape, value, dtype=dtype, device="cuda"))
+        return self.upload(torch.full(shape, value, dtype=dtype))
 
     def download(self, data) -> torch.Tensor:
         return _from_numpy(data.numpy(), data.dtype)

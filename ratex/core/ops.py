@@ -377,7 +377,7 @@ def _rsub_scalar(self, other, alpha=1):
 def _where_scalars(cond, a, b):
     """where with Python scalars: the scalars become 0-dim tensors of the promoted dtype."""
     dtype = torch.result_type(a, b)
-    a, b = (x if isinstance(x, torch.Tensor) else aten.full.default([], x, dtype=dtype, device=cond.device)
+    a, b = (x if isinstance(x, torch.Tensor) else _functional(aten.full.default, ([], x), {"dtype": dtype})
             for x in (a, b))
     return aten.where.self(cond, aten._to_copy.default(a, dtype=dtype), aten._to_copy.default(b, dtype=dtype))
 
@@ -777,13 +777,69 @@ def _copy_(func, args, kwargs):
     return dst
 
 
+# ---- constant fills -----------------------------------------------------------------
+# A whole tensor filled with a constant (torch.zeros/ones/full on the lazy device, which
+# are empty + fill_; zeros_like, new_zeros and their kin; x.zero_()) is device data at
+# once, not a graph node, except inside autograd's backward. Optimizer state starts this
+# way (AdamW's exp_avg = zeros_like(p), a `total = torch.zeros(())` accumulator): as a
+# node, the first step's graph computed the state where every later step's reads it as
+# an input, so training compiled two programs where one does. Inside the backward, zeros
+# are intermediates (index and gather gradients scatter into them) that the program
+# makes in a fused kernel: they stay nodes, and so do the fills ratex's own
+# decompositions make (they call `_functional` directly).
+def _constant_data(shape, value, dtype):
+    """The IR value of fresh device data of `shape` and `dtype` holding `value` everywhere."""
+    shape = tuple(shape)
+    metrics.counter_inc("DeviceDataTransfer")
+    data = tensor.backend().full(shape, value, dtype)
+    return (Node.leaf(data, ir.Meta(shape, dtype)), 0)
+
+
+def _in_backward() -> bool:
+    return torch._C._current_autograd_node() is not None
+
+
 @handles(aten.zero_.default, aten.fill_.Scalar)
 def _fill_(func, args, kwargs):
     self = args[0]
     value = 0 if func is aten.zero_.default else args[1]
+    if not self._chain and type(value) in (int, float, bool) and not _in_backward():  # the whole storage
+        self._write(_constant_data(self.shape, value, self.dtype))
+        return self
     full = _functional(aten.full.default, (list(self.shape), value), {"dtype": self.dtype})
-    self._write(full._value())
+    self._write(full._value())  # through the view chain into the base
     return self
+
+
+# op -> (fill value, or None: argument 1; where its size argument is, or None: the input's)
+_FILLS = {
+    aten.zeros_like.default: (0, None), aten.ones_like.default: (1, None), aten.full_like.default: (None, None),
+    aten.new_zeros.default: (0, 1), aten.new_ones.default: (1, 1), aten.new_full.default: (None, 1),
+}
+
+
+@handles(*_FILLS)
+def _fill_new(func, args, kwargs):
+    value, size_at = _FILLS[func]
+    self = args[0]
+    if value is None:
+        value = args[2] if size_at is not None else args[1]
+    memory_format = kwargs.get("memory_format")
+    device = kwargs.get("device")
+    plain = (
+        not _in_backward()
+        and type(value) in (int, float, bool)
+        and kwargs.get("layout") in (None, torch.strided)
+        and not kwargs.get("pin_memory")
+        and (device is None or torch.device(device).type == "lazy")
+        # the result's strides are contiguous: so are the input's, or the call asks for that
+        and (size_at is not None or memory_format is torch.contiguous_format
+             or (memory_format in (None, torch.preserve_format) and self.is_contiguous()))
+    )
+    if not plain:
+        return _functional(func, args, kwargs)
+    shape = args[size_at] if size_at is not None else self.shape
+    return tensor.LazyTensor.from_value(_constant_data(shape, value, kwargs.get("dtype") or self.dtype))
 
 
 @handles(aten.fill_.Tensor)
@@ -1005,7 +1061,7 @@ def _safe_softmax(x, dim, dtype=None):
     """softmax, but 0 (not NaN) for rows that are entirely -inf (masked-out attention rows)."""
     out = aten._softmax.default(x if dtype is None else aten._to_copy.default(x, dtype=dtype), dim, False)
     masked = aten.eq.Scalar(aten.amax.default(x, [dim], True), float("-inf"))
-    return aten.where.self(masked, aten.zeros_like.default(out), out)
+    return aten.where.self(masked, _functional(aten.zeros_like.default, (out,), {}), out)
 
 
 DECOMPS.update({

@@ -421,7 +421,8 @@ def _rrelu_with_noise(func, args, kwargs):
         raise RuntimeError(f"Lower bound should be less than or equal to the upper bound, got lower={lower} > upper={upper}")
     if a["training"]:
         slope = uniform(_seed(a), x.shape, x.dtype, lower, upper)
-        noise_value = aten.where.self(aten.le.Scalar(x, 0), slope, aten.ones_like.default(slope))
+        ones = ops._functional(aten.ones_like.default, (slope,), {})
+        noise_value = aten.where.self(aten.le.Scalar(x, 0), slope, ones)
         out = aten.mul.Tensor(x, noise_value)
     else:
         noise_value = None
