@@ -77,6 +77,11 @@ KERNELS = _choice("RATEX_KERNELS", "AUTO", ("AUTO", "TVM", "LIBRARY"))
 # TVM pins its worker threads to cores by default; next to torch's own pool
 # (library kernels run in-process) the two fight for the cores.
 os.environ.setdefault("TVM_BIND_THREADS", "0")
+# TVM's idle workers spin (300,000 polls) before they sleep, holding a core that torch's
+# pool (library kernels) and the thread tracing the next step need. On 2 cores that
+# turned LeNet-5's 2.2 ms program into bursts of 30-140 ms every 20-40 steps (the
+# tutorial at batch 32, 2 threads); with workers that sleep at once it stays at 2-2.5 ms.
+os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", "0")
 # One thread budget: a compiled program runs TVM kernels on TVM's pool and library
 # kernels on torch's, one after the other, so both get the same number of threads:
 # RATEX_NUM_THREADS when set, else torch's (OMP_NUM_THREADS or the core count).

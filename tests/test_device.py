@@ -117,6 +117,15 @@ def test_one_thread_budget_for_tvm_and_torch():
     assert bad.returncode != 0 and "RATEX_NUM_THREADS='many'" in bad.stderr
 
 
+def test_tvm_workers_sleep_when_idle_unless_told_otherwise():
+    # spinning idle TVM workers held the cores torch's kernels and the tracing thread need
+    probe = "import os, ratex; print(os.environ['TVM_THREAD_POOL_SPIN_COUNT'])"
+    env = {k: v for k, v in os.environ.items() if k != "TVM_THREAD_POOL_SPIN_COUNT"}
+    run = lambda **kw: subprocess.run([sys.executable, "-c", probe], env=dict(env, **kw), capture_output=True, text=True)
+    assert run().stdout.split() == ["0"]
+    assert run(TVM_THREAD_POOL_SPIN_COUNT="5000").stdout.split() == ["5000"]
+
+
 _REUSE_PROBE = """
 import ctypes, resource
 import ratex.config as config
