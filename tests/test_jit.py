@@ -142,6 +142,88 @@ def test_transformer_block_matches_cpu(dev):
     assert metrics.counter_value("ratex::script_bwd.default") == 3
 
 
+class _CausalBlock(nn.Module):
+    """GPT-style: causal scaled_dot_product_attention over heads, then a GELU MLP on 3-d input."""
+
+    def __init__(self, d=16, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(d, 3 * d, bias=False)  # a key bias's gradient is 0 up to rounding (AdamW's step is not)
+        self.up = nn.Linear(d, 2 * d)
+        self.down = nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4).unbind(0)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, d)
+        return self.down(F.gelu(self.up(x + a)))
+
+
+def test_causal_attention_and_gelu_block_trains_like_cpu(dev):
+    # attention runs as matmul + softmax + matmul (simplify.expand_attention), softmax and GELU in
+    # PyTorch's kernels (library_dispatch), the linear layers' weight gradients as 2-d products
+    model, ref = _pair(_CausalBlock)
+    model = jit.script(model).to(dev)
+    torch.manual_seed(4)
+    batches = [(torch.randn(2, 6, 16), torch.randn(2, 6, 16)) for _ in range(3)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no fallback anywhere
+        _train(model, ref, batches, F.mse_loss, dev, lr=1e-2, optimizer=torch.optim.AdamW)
+    assert metrics.counter_value("ratex::script_bwd.default") == 3
+
+
+def test_attention_expands_to_products_and_its_softmax_is_shared():
+    from tvm import relax
+    from tvm.script import ir as I, relax as R
+
+    from tvm_lowering import autodiff, simplify
+
+    @I.ir_module
+    class Attn:
+        @R.function
+        def main(q: R.Tensor((2, 5, 3, 4), "float32"), k: R.Tensor((2, 5, 3, 4), "float32"),
+                 v: R.Tensor((2, 5, 3, 4), "float32"), g: R.Tensor((2, 5, 3, 4), "float32")):
+            with R.dataflow():
+                o = R.nn.attention(q, k, v, causal_mask="TopLeft")
+                R.output(o)
+            return o
+
+    expanded = simplify.expand_attention(Attn)
+    text = expanded.script()
+    assert "R.nn.attention" not in text and text.count("R.nn.softmax") == 1
+    # its gradient builds the same softmax: after CSE, forward and backward share it
+    call = Attn["main"].body.blocks[0].bindings[0].value
+    bb = relax.BlockBuilder()
+    with bb.function("f", list(Attn["main"].params)):
+        with bb.dataflow():
+            _, _, vt, p = autodiff.attention_probs(bb, *call.args, call.attrs)
+            out = bb.emit(relax.op.permute_dims(relax.op.matmul(p, vt), [0, 2, 1, 3]))
+            grads = autodiff._attention_grad(None, call, Attn["main"].params[3], bb)
+            res = bb.emit_output(relax.Tuple([out, *grads]))
+        bb.emit_func_output(res)
+    both = relax.transform.EliminateCommonSubexpr()(bb.get())
+    assert both.script().count("R.nn.softmax") == 1
+
+
+def test_gelu_gradient_matches_autograd_near_zero_and_in_the_tails():
+    """The float32 GELU gradient takes Phi(x) from the forward's output, gelu(x) / x, and a series at 0."""
+    import tvm
+    from tvm import relax
+
+    from tvm_lowering import torchscript
+
+    x = torch.tensor([0.0, -0.0, 1e-6, -1e-4, 5e-4, -9.9e-4, 1.1e-3, -2e-3, 0.3, -1.0, 2.5, -3.9, -6.0, 10.0])
+    traced = torch.jit.trace(nn.GELU(), (x,))
+    script = torchscript.convert(traced.inlined_graph, [(x.shape, x.dtype)], {}, [0])
+    mod = tvm.IRModule({"fwd": script.fwd, "bwd_adjoint": script.bwd})
+    vm = relax.VirtualMachine(tvm_lowering.build(mod, tvm_lowering.resolve_target("CPU")), tvm.cpu())
+    g = torch.linspace(0.5, 2.0, x.numel())
+    _, (got,) = vm["bwd_adjoint"](tvm.runtime.tensor(x.numpy()), tvm.runtime.tensor(g.numpy()))
+    xr = x.clone().requires_grad_()
+    (want,) = torch.autograd.grad(F.gelu(xr), xr, g)
+    torch.testing.assert_close(torch.from_numpy(got.numpy()), want, rtol=1e-6, atol=1e-7)
+
+
 def test_tuple_outputs_input_grad_and_no_grad(dev):
     model, ref = _pair(TwoHeads)
     model = jit.script(model).to(dev)

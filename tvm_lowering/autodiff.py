@@ -106,7 +106,16 @@ def _strided_slice_grad(orig_var, orig_call, output_grad, bb):
 def _gelu_grad(orig_var, orig_call, output_grad, bb):
     # d/dx x*Phi(x) = Phi(x) + x*phi(x)
     x = orig_call.args[0]
-    cdf = op.multiply(_const(0.5, x), op.add(_const(1.0, x), op.erf(op.multiply(x, _const(1 / math.sqrt(2), x)))))
+    if _dtype(x) == "float32":
+        # Phi(x) from the forward's own output, gelu(x) / x: erf is a scalar libm call an element
+        # on CPU (the scripted GPT benchmark's two GELU gradients took 12 ms each with it, 0.3
+        # without). Near 0, where that is 0/0, Phi(x) = 1/2 + x phi(0) to float32's precision
+        # (the next term, x^3 / (6 sqrt(2 pi)), is below 7e-11 there).
+        near0 = op.less(op.abs(x), _const(1e-3, x))
+        cdf = op.where(near0, op.add(_const(0.5, x), op.multiply(x, _const(1 / math.sqrt(2 * math.pi), x))),
+                       op.divide(orig_var, x))
+    else:
+        cdf = op.multiply(_const(0.5, x), op.add(_const(1.0, x), op.erf(op.multiply(x, _const(1 / math.sqrt(2), x)))))
     pdf = op.multiply(_const(1 / math.sqrt(2 * math.pi), x), op.exp(op.multiply(_const(-0.5, x), op.multiply(x, x))))
     return [op.multiply(output_grad, op.add(cdf, op.multiply(x, pdf)))]
 
@@ -170,36 +179,54 @@ def _layer_norm_grad(orig_var, orig_call, output_grad, bb):
     return [dx, _fit(bb, dgamma, gamma), _fit(bb, dbeta, beta)]
 
 
-@_register("relax.nn.attention")
-def _attention_grad(orig_var, orig_call, output_grad, bb):
-    # attention(q, k, v) = softmax(q k^T * scale [+ causal mask]) v, in (batch, seq, head, dim) layout
-    q, k, v = orig_call.args[:3]
-    if len(orig_call.args) > 3 or orig_call.attrs.window_size is not None:
-        raise NotImplementedError("gradient of attention with a bias or a window")
-    sq, d = _shape(q)[1], _shape(q)[3]
-    sk = _shape(k)[1]
-    scale = orig_call.attrs.scale
-    scale = float(scale) if scale is not None else 1.0 / math.sqrt(d)
-    bhsd = [0, 2, 1, 3]
+def attention_probs(bb, q, k, v, attrs):
+    """(qt, kt, vt, p) for attention(q, k, v) of relax.nn.attention's (batch, seq, head, dim)
+    layout: q, k, v as (batch, head, seq, dim) and p = softmax(q k^T * scale [+ causal mask]).
 
-    def t(x):
-        return op.permute_dims(x, [0, 1, 3, 2])
-
-    qt, kt, vt = (bb.normalize(op.permute_dims(x, bhsd)) for x in (q, k, v))
-    do = bb.normalize(op.permute_dims(output_grad, bhsd))
-    scores = op.multiply(op.matmul(qt, t(kt)), _const(scale, q))
-    causal = orig_call.attrs.causal_mask
+    The forward's expansion (simplify.expand_attention) and the gradient below build p with
+    this same function, so CSE keeps one copy of it per attention."""
+    sq, sk = _shape(q)[1], _shape(k)[1]
+    scale = attention_scale(q, attrs)
+    qt, kt, vt = (bb.normalize(op.permute_dims(x, _BHSD)) for x in (q, k, v))
+    scores = op.multiply(op.matmul(qt, _swap_last(kt)), _const(scale, q))
+    causal = attrs.causal_mask
     if causal is not None:
         offset = 0 if str(causal) == "TopLeft" else sk - sq
         keep = np.tril(np.ones((sq, sk), dtype=bool), k=offset)
         scores = op.where(relax.const(keep), scores, _const(float("-inf"), q))
-    p = bb.normalize(op.nn.softmax(scores, axis=-1))
-    dv = op.matmul(t(p), do)
-    dp = bb.normalize(op.matmul(do, t(vt)))
+    return qt, kt, vt, bb.normalize(op.nn.softmax(scores, axis=-1))
+
+
+def attention_scale(q, attrs) -> float:
+    return float(attrs.scale) if attrs.scale is not None else 1.0 / math.sqrt(_shape(q)[3])
+
+
+_BHSD = [0, 2, 1, 3]  # (batch, seq, head, dim) <-> (batch, head, seq, dim)
+
+
+def _swap_last(x):
+    return op.permute_dims(x, [0, 1, 3, 2])
+
+
+def attention_expandable(call) -> bool:
+    """Whether `call` (relax.nn.attention) is one `attention_probs` covers: no bias, no window."""
+    return len(call.args) == 3 and call.attrs.window_size is None
+
+
+@_register("relax.nn.attention")
+def _attention_grad(orig_var, orig_call, output_grad, bb):
+    if not attention_expandable(orig_call):
+        raise NotImplementedError("gradient of attention with a bias or a window")
+    q = orig_call.args[0]
+    qt, kt, vt, p = attention_probs(bb, *orig_call.args, orig_call.attrs)
+    do = bb.normalize(op.permute_dims(output_grad, _BHSD))
+    scale = attention_scale(q, orig_call.attrs)
+    dv = op.matmul(_swap_last(p), do)
+    dp = bb.normalize(op.matmul(do, _swap_last(vt)))
     ds = bb.normalize(op.multiply(p, op.subtract(dp, op.sum(op.multiply(dp, p), axis=-1, keepdims=True))))
     dq = op.multiply(op.matmul(ds, kt), _const(scale, q))
-    dk = op.multiply(op.matmul(t(ds), qt), _const(scale, q))
-    return [op.permute_dims(g, bhsd) for g in (dq, dk, dv)]
+    dk = op.multiply(op.matmul(_swap_last(ds), qt), _const(scale, q))
+    return [op.permute_dims(g, _BHSD) for g in (dq, dk, dv)]
 
 
 @register_gradient("relax.nn.relu", level=11)  # overrides TVM's where(x < 0, 0, g)
@@ -208,6 +235,21 @@ def _relu_grad(orig_var, orig_call, output_grad, bb):
     # (TVM passed g there), and g where x is NaN.
     x = orig_call.args[0]
     return [op.where(op.less_equal(x, _const(0, x)), _const(0, x), output_grad)]
+
+
+@register_gradient("relax.matmul", level=11)  # overrides TVM's for a batched input times a matrix
+def _matmul_grad(orig_var, orig_call, output_grad, bb):
+    # x (..., K) @ w (K, N), a linear layer: TVM's rule makes w's gradient a batched
+    # x^T @ g (..., K, N) and sums it over the batch dims afterwards (collapse_sum: in the
+    # scripted GPT benchmark 6.5 ms a layer, besides batched matmuls). As one 2-d product
+    # of the flattened rows, x2^T @ g2, it is a single matmul with nothing to sum.
+    a, b = orig_call.args
+    if len(_shape(a)) <= 2 or len(_shape(b)) != 2:
+        return _op_gradient.matmul_grad(orig_var, orig_call, output_grad, bb)
+    k, n = _shape(b)
+    a2 = op.reshape(a, [-1, k])
+    g2 = op.reshape(output_grad, [-1, n])
+    return [op.matmul(output_grad, op.permute_dims(b, [1, 0])), op.matmul(op.permute_dims(a2, [1, 0]), g2)]
 
 
 @register_gradient("relax.take", level=11)  # overrides TVM's, whose kernel needs 1-d indices

@@ -8,7 +8,7 @@ from tvm import relax
 
 from . import fastmath, inplace, pool_grad
 from .library_dispatch import library_dispatch_pass
-from .simplify import fold_transposes
+from .simplify import expand_attention, fold_transposes
 from .schedules import cpu_schedule
 
 DEVICES = ("CPU", "GPU")
@@ -79,10 +79,11 @@ def _stages(target: Target, donate=(), donated=None, kernel_pass=None) -> list:
 
 
 def _passes(target: Target, library: bool, donate=(), donated=None, kernel_pass=None, library_min_macs=0) -> list:
-    # CSE removes the forward that a script's backward recomputes; DCE what nothing reads.
-    # fold_transposes composes the t(t(x)) chains autograd leaves (simplify.py).
-    # The library dispatch folds transposes into matmul calls: DCE drops the transposes after it.
-    cleanup = [relax.transform.EliminateCommonSubexpr(), fold_transposes]
+    # CSE removes the forward that a script's backward recomputes (attention's too, once it is
+    # expanded); DCE what nothing reads. fold_transposes composes the t(t(x)) chains autograd
+    # leaves (simplify.py). The library dispatch folds transposes into matmul calls: DCE drops
+    # the transposes after it.
+    cleanup = [expand_attention, relax.transform.EliminateCommonSubexpr(), fold_transposes]
     if library:
         cleanup.append(library_dispatch_pass(library_min_macs))
     cleanup.append(relax.transform.DeadCodeElimination())

@@ -5,11 +5,22 @@ the lowered step holds permute_dims(permute_dims(x)) — in the MLP benchmark a
 1024x1024 weight gradient was transposed twice and the first transpose ran as
 a kernel of its own (4.6 ms of a 22 ms step). Consecutive permute_dims are
 composed into one, and a composition that is the identity is dropped.
+
+`expand_attention`: relax.nn.attention (what a scripted
+scaled_dot_product_attention becomes) as matmul, softmax, matmul. TVM
+legalizes it as one unscheduled loop nest: 39 ms a call in the GPT benchmark,
+whose two attentions' matmuls and softmax take ~3 ms in PyTorch's kernels. As
+matmuls they go to the kernel library (or get TVM's matmul schedule), and the
+softmax the forward computes is the one the gradient recomputes (the two are
+built alike, see autodiff.attention_probs), so CSE keeps one.
 """
 import tvm
 from tvm import relax
 
+from . import autodiff
+
 _PERMUTE = tvm.ir.Op.get("relax.permute_dims")
+_ATTENTION = tvm.ir.Op.get("relax.nn.attention")
 
 
 def _axes(call, ndim):
@@ -47,3 +58,19 @@ class _FoldTransposes(relax.PyExprMutator):
 def fold_transposes(mod, _ctx):
     """Compose consecutive permute_dims; drop the ones that cancel."""
     return rewrite_functions(_FoldTransposes(mod), mod)
+
+
+@relax.expr_functor.mutator
+class _ExpandAttention(relax.PyExprMutator):
+    def visit_call_(self, call):
+        call = super().visit_call_(call)
+        if not call.op.same_as(_ATTENTION) or not autodiff.attention_expandable(call):
+            return call
+        _, _, vt, p = autodiff.attention_probs(self.builder_, *call.args, call.attrs)
+        return relax.op.permute_dims(relax.op.matmul(p, vt), [0, 2, 1, 3])
+
+
+@tvm.transform.module_pass(opt_level=0, name="RatexExpandAttention")
+def expand_attention(mod, _ctx):
+    """relax.nn.attention without bias or window as matmul, softmax, matmul."""
+    return rewrite_functions(_ExpandAttention(mod), mod)
