@@ -230,3 +230,10 @@ def test_long_run_without_mark_step_keeps_the_pending_list_short(dev, monkeypatc
         assert len(sync._pending) <= 100, (i, len(sync._pending))
     assert torch.equal(lx.cpu(), x)
     assert torch.equal(lother.cpu(), other * 2.0)
+    many = [t.to(dev) * 3.0 for t in torch.ones(40, 2)]  # 40 more live pending storages
+    for i in range(100):
+        lx.add_(i)
+    assert sync._compact_at > 50  # raised while they live: compacting again would keep them all
+    lm.mark_step()
+    assert sync._compact_at == 50  # the next run between syncs starts from the minimum again
+    assert torch.equal(many[-1].cpu(), torch.full((2,), 3.0))

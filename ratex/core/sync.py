@@ -213,10 +213,12 @@ def add_step_closure(fn, args=()):
 
 def mark_step():
     """Compute every live pending tensor in one program and make the results their data."""
+    global _compact_at
     metrics.counter_inc("MarkStep")
     with metrics.span("MarkStep"):
         storages = pending_storages()
         _pending.clear()
+        _compact_at = _COMPACT_MIN  # a threshold a long run raised ends with it
         with launch.rollback_point([(st, st.prev) for st in storages]):
             overwrites = [(st.value, st.prev) for st in storages] if config.PARAM_ALIASING else ()
             execute([st.value for st in storages], overwrites)
