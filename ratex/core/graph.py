@@ -25,50 +25,50 @@ def cut(roots: list) -> Graph:
     """Return the graph computing `roots` (values) from computed values.
 
     Runs at every sync over every node: 45 nodes (scripted LeNet-5) take ~60 us,
-    756 (GPT) ~0.8 ms, so the per-input work is written out inline.
+    756 (GPT) ~0.8 ms, so the per-input work is written out inline, and nodes are
+    their own dict keys (Node hashes by identity; an id() call per lookup cost more).
     """
     leaves, leaf_pos = [], {}
     nodes, node_pos = [], {}
     entries = []
 
     def leaf_ref(value):
-        key = (id(value[0]), value[1])
-        pos = leaf_pos.get(key)
+        pos = leaf_pos.get(value)
         if pos is None:
-            pos = leaf_pos[key] = len(leaves)
+            pos = leaf_pos[value] = len(leaves)
             leaves.append(value)
         return ~pos
 
     for root in roots:
-        if root[0].results[root[1]] is not None or id(root[0]) in node_pos:
+        if root[0].results[root[1]] is not None or root[0] in node_pos:
             continue
         stack = [(root[0], False)]
         while stack:
             node, expanded = stack.pop()
-            if id(node) in node_pos:
+            if node in node_pos:
                 continue
             if not expanded:
                 stack.append((node, True))
                 for v in reversed(node.inputs):
-                    if v[0].results[v[1]] is None and id(v[0]) not in node_pos:
+                    if v[0].results[v[1]] is None and v[0] not in node_pos:
                         stack.append((v[0], False))
                 continue
             refs = []
             for value in node.inputs:  # leaf_ref written out: this loop is the cut's hot spot
                 src, idx = value
                 if src.results[idx] is None:
-                    refs.append((node_pos[id(src)], idx))
+                    refs.append((node_pos[src], idx))
                     continue
-                pos = leaf_pos.get((id(src), idx))
+                pos = leaf_pos.get(value)
                 if pos is None:
-                    pos = leaf_pos[(id(src), idx)] = len(leaves)
+                    pos = leaf_pos[value] = len(leaves)
                     leaves.append(value)
                 refs.append(~pos)
             refs = tuple(refs)
-            node_pos[id(node)] = len(nodes)
+            node_pos[node] = len(nodes)
             nodes.append(node)
             entries.append((node.key, refs))
-    root_refs = tuple([(node_pos[id(v[0])], v[1]) if v[0].results[v[1]] is None else leaf_ref(v) for v in roots])
+    root_refs = tuple([(node_pos[v[0]], v[1]) if v[0].results[v[1]] is None else leaf_ref(v) for v in roots])
     leaf_metas = tuple([v[0].metas[v[1]] for v in leaves])
     return Graph(leaves, nodes, list(roots), (leaf_metas, tuple(entries), root_refs))
 
