@@ -45,11 +45,11 @@ def _is_pending(st) -> bool:
 
 def pending_storages() -> list:
     """Return the live storages whose value is not computed, in the order they became pending."""
-    seen, out = set(), []
+    seen, out = set(), []  # storages hash by identity
     for ref in _pending:
         st = ref()
-        if _is_pending(st) and id(st) not in seen:
-            seen.add(id(st))
+        if _is_pending(st) and st not in seen:
+            seen.add(st)
             out.append(st)
     return out
 
@@ -83,13 +83,13 @@ def donations(graph, overwrites) -> tuple:
     every output its own buffer (Program.run), so no other live tensor reads the
     leaf's buffer once the tensor it belonged to has moved on.
     """
-    leaf_at = {(id(node), idx): k for k, (node, idx) in enumerate(graph.leaves)}
-    root_at = {(id(node), idx): k for k, (node, idx) in enumerate(graph.roots)}
+    leaf_at = {value: k for k, value in enumerate(graph.leaves)}  # (node, index): nodes hash by identity
+    root_at = {value: k for k, value in enumerate(graph.roots)}
     shared = _shared_leaves(graph.leaves)
     pairs, taken = [], set()
     for new, old in overwrites:
-        leaf = leaf_at.get((id(old[0]), old[1])) if old is not None else None
-        root = root_at.get((id(new[0]), new[1]))
+        leaf = leaf_at.get(old) if old is not None else None
+        root = root_at.get(new)
         if leaf is not None and root is not None and leaf not in taken and leaf not in shared:
             taken.add(leaf)
             pairs.append((leaf, root))
