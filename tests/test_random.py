@@ -156,6 +156,7 @@ EXACT = {  # integer arithmetic, comparisons and orderings of random keys: ident
     "unit_uniform": lambda s: random.uniform(s, [7, 33], torch.float32),
     "bf16_uniform": lambda s: random.uniform(s, [65], torch.bfloat16),
     "bernoulli": lambda s: random.bernoulli(s, [300], torch.float32, 0.25),
+    "dropout_keep": lambda s: random.dropout_keep(s, [300], 0.25),
     "randint": lambda s: random.randint(s, [300], torch.int32, -7, 1000),
     "randperm": lambda s: random.randperm(s, 300, torch.int64),
     "multinomial": lambda s: random.multinomial(s, _probs(s), 50, True),
@@ -230,7 +231,7 @@ def test_dropout_keep_rate_scaling_and_grad(dev):
     assert abs(dropped - 0.3) < 0.02, dropped
     torch.testing.assert_close(y[y != 0], torch.full_like(y[y != 0], 1 / 0.7))
     torch.testing.assert_close(grad, y)  # d(sum(dropout(x)))/dx = mask * scale
-    assert "ratex::random_bits.default" in metrics.counter_names()
+    assert "ratex::dropout_keep.default" in metrics.counter_names()
     assert not [c for c in metrics.counter_names() if c.startswith("aten::")]
 
 

@@ -34,3 +34,24 @@ def random_bits(imp, node):
     seed = imp.env[node.args[0]]
     out_shape, _ = out_meta(node)
     return emit_te(imp, _bits_te, seed, out_shape)
+
+
+_UNIT24 = 1 << 24
+
+
+@rule("dropout_keep.default")
+def dropout_keep(imp, node):
+    """Dropout's keep mask, as ratex/core/random.py computes it on CPU: not (u < p) for the
+    uniform u = (bits & (2^24 - 1)) / 2^24 (exact in float32)."""
+    seed, p = imp.env[node.args[0]], imp.env[node.args[2]]
+    out_shape, _ = out_meta(node)
+
+    def keep(seed, p):
+        bits = _bits_te(seed, out_shape)
+        mask = tirx.const(_UNIT24 - 1, "int64")
+        scale = tirx.const(1.0 / _UNIT24, "float32")
+        return te.compute(
+            out_shape, lambda *i: tirx.Not((bits(*i) & mask).astype("float32") * scale < p[()]), name="dropout_keep"
+        )
+
+    return emit_te(imp, keep, seed, p)
