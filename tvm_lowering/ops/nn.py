@@ -12,7 +12,7 @@ from . import rule
 
 # TVM's rules for these return wrong values (an identity for training-mode
 # dropout); None removes them. Training-mode dropout never reaches the table:
-# ratex/core/random.py records it as arithmetic on ratex::random_bits.
+# ratex/core/random.py records it as ratex::dropout_keep (a mask from ratex::random_bits) and a multiply.
 rule("native_dropout.default", "dropout.default")(None)
 
 

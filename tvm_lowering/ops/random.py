@@ -1,10 +1,11 @@
-"""`ratex::random_bits`: 32 random bits per element from (seed input, element index).
+"""`ratex::random_bits`: 32 random bits per element from (seed input, element index); `ratex::dropout_keep`.
 
 The bits come from `tvm_lowering.counter_rng.words`, the same function the
 CPU implementation runs on torch tensors, so both give identical bits.
 Everything random on the lazy device (uniform, normal, log_normal, cauchy,
-geometric, bernoulli, randint, randperm, multinomial, dropout, rrelu) is
-ordinary ATen arithmetic on these words, recorded by ratex/core/random.py.
+geometric, bernoulli, randint, randperm, multinomial, rrelu) is ordinary ATen
+arithmetic on these words, recorded by ratex/core/random.py; dropout's keep mask
+is `ratex::dropout_keep`, the same arithmetic as one op (one traced call, not six).
 The rule is a TE compute (a call_tir), which `relax.transform.Gradient`
 refuses inside a function it differentiates: a `jit.script` forward
 therefore takes each dropout's keep mask as an input,
