@@ -82,6 +82,25 @@ def test_scripted_lenet_training_step_builds_for_cuda(dev, build_for_cuda):
     lm.mark_step()
 
 
+def test_scripted_attention_gelu_and_dropout_step_builds_for_cuda(dev, build_for_cuda):
+    # the expanded attention (matmul, softmax, matmul), the erf-free GELU gradient, the 2-d
+    # weight gradients and dropout's keep-mask op, as TVM kernels for CUDA
+    from test_jit import _CausalBlock
+
+    torch.manual_seed(0)
+    model = ratex.jit.script(_CausalBlock()).to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    out = F.dropout(model(torch.randn(2, 6, 16).to(dev)), 0.2, training=True)
+    F.mse_loss(out, torch.randn(2, 6, 16).to(dev)).backward()
+    opt.step()
+    step = graph.cut([st.value for st in sync.pending_storages()])
+    assert {"script_bwd.default", "dropout_keep.default"} <= {n.op.__name__ for n in step.nodes}
+    mod = tvm_lowering.import_graph(graph.to_fx(step), library=False)
+    executable = build_for_cuda(mod)
+    assert "main" in executable.as_text()
+    lm.mark_step()
+
+
 def test_gpu_without_cuda_fails_at_first_lazy_op():
     if HAS_GPU:
         pytest.skip("a CUDA device is present")
