@@ -41,6 +41,18 @@ def _attrs(**kw):
     return tvm.ir.StringImm(json.dumps(kw))
 
 
+def out_call(name, args, attrs: dict, ty):
+    """`ratex.lib.<name>_out` on `args` with `attrs` (JSON) last, destination-passing: the
+    kernel writes into an output the program allocates and plans (ratex/core/kernels.py)."""
+    return relax.op.call_dps_packed(f"ratex.lib.{name}_out", relax.Tuple([*args, _attrs(**attrs)]), ty)
+
+
+def aten_call(op: str, tensors, template: list, kwargs: dict, ty):
+    """ATen `op` ("aten.<op>.<overload>") run by `ratex.lib.aten_out`: `template` lists its
+    arguments, tensors as {"tensor": position in `tensors`}, the others as given."""
+    return out_call("aten", tensors, {"op": op, "args": template, "kwargs": kwargs}, ty)
+
+
 def _ints(xs):
     return [int(x) for x in xs]
 
@@ -82,10 +94,10 @@ class _Dispatch(relax.PyExprMutator):
             return _either(self._conv2d_weight_grad(call), call)
         if name == "relax.matmul" and all(_dtype(x) == _dtype(call) for x in call.args):
             (a, ta), (b, tb) = (self._untransposed(x) for x in call.args)
-            return relax.op.call_dps_packed("ratex.lib.matmul_out", relax.Tuple([a, b, _attrs(ta=ta, tb=tb)]), call.ty)
+            return out_call("matmul", [a, b], {"ta": ta, "tb": tb}, call.ty)
         if name in _ATEN_CALLS:
             op, extra = _ATEN_CALLS[name]
-            return self._aten(op, call, [{"tensor": 0}, *extra(a)])
+            return aten_call(op, list(call.args), [{"tensor": 0}, *extra(a)], {}, call.ty)
         if name == "relax.grad.max_pool2d_backward" and pool_grad.windows_tile(call):
             return call  # TVM code is faster (pool_grad.py)
         if name in ("relax.grad.max_pool2d_backward", "relax.grad.avg_pool2d_backward") and symmetric:
@@ -138,12 +150,6 @@ class _Dispatch(relax.PyExprMutator):
         if ndim < 2 or axes != [*range(ndim - 2), ndim - 1, ndim - 2]:
             return x, False
         return value.args[0], True
-
-    def _aten(self, op, call, template):
-        """`op` (an ATen OpOverload's name) on call.args, in ratex.lib.aten_out's form
-        (ops/library.py's generic ATen call): tensors by position, other arguments as given."""
-        attrs = tvm.ir.StringImm(json.dumps({"op": op, "args": template, "kwargs": {}}))
-        return relax.op.call_dps_packed("ratex.lib.aten_out", relax.Tuple([*call.args, attrs]), call.ty)
 
     def _packed(self, name, call, args):
         return relax.op.call_pure_packed(f"ratex.lib.{name}", *args, ty_args=call.ty)

@@ -19,7 +19,7 @@ import tvm
 from tvm import relax
 
 from ..dtypes import to_tvm
-from ..library_dispatch import worth_library
+from ..library_dispatch import aten_call, out_call, worth_library
 from . import RULES, rule
 from .nn import arg, out_meta
 
@@ -71,8 +71,7 @@ def _call_out(imp, name, args, attrs, ty):
     reuses it every run. A tensor PyTorch allocates afresh costs page faults instead
     when it is large: the MLP's matmuls ran 1.5x slower inside a training step than alone.
     """
-    call = relax.op.call_dps_packed(f"ratex.lib.{name}_out", relax.Tuple([*args, tvm.ir.StringImm(json.dumps(attrs))]), ty)
-    return imp.block_builder.emit(call)
+    return imp.block_builder.emit(out_call(name, args, attrs, ty))
 
 
 def _library_rule(name, build, macs=None):
@@ -144,8 +143,8 @@ def _aten(imp, node):
         else:
             template.append(a)
     kwargs = {k: (str(v).replace("torch.", "") if isinstance(v, torch.dtype) else v) for k, v in node.kwargs.items()}
-    attrs = {"op": str(node.target), "args": template, "kwargs": kwargs}
-    return _call_out(imp, "aten", tensors, attrs, _tensor_type(out_meta(node, None)))
+    call = aten_call(str(node.target), tensors, template, kwargs, _tensor_type(out_meta(node, None)))
+    return imp.block_builder.emit(call)
 
 
 def _shape(x):
