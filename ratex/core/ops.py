@@ -795,15 +795,16 @@ def _constant_data(shape, value, dtype):
     return (Node.leaf(data, ir.Meta(shape, dtype)), 0)
 
 
-def _in_backward() -> bool:
-    return torch._C._current_autograd_node() is not None
+def _as_data(value) -> bool:
+    """Whether a fill with `value` becomes data: a plain number, outside autograd's backward."""
+    return type(value) in (int, float, bool) and torch._C._current_autograd_node() is None
 
 
 @handles(aten.zero_.default, aten.fill_.Scalar)
 def _fill_(func, args, kwargs):
     self = args[0]
     value = 0 if func is aten.zero_.default else args[1]
-    if not self._chain and type(value) in (int, float, bool) and not _in_backward():  # the whole storage
+    if not self._chain and _as_data(value):  # the whole storage
         self._write(_constant_data(self.shape, value, self.dtype))
         return self
     full = _functional(aten.full.default, (list(self.shape), value), {"dtype": self.dtype})
@@ -827,8 +828,7 @@ def _fill_new(func, args, kwargs):
     memory_format = kwargs.get("memory_format")
     device = kwargs.get("device")
     plain = (
-        not _in_backward()
-        and type(value) in (int, float, bool)
+        _as_data(value)
         and kwargs.get("layout") in (None, torch.strided)
         and not kwargs.get("pin_memory")
         and (device is None or torch.device(device).type == "lazy")
