@@ -131,11 +131,16 @@ def test_transformer_block_matches_cpu(dev):
             d_model=16, nhead=2, dim_feedforward=32, dropout=0.0, batch_first=True, bias=False
         )
 
+    _adamw_sequence_block_matches_cpu(block, dev, seq=5, seed=3)
+
+
+def _adamw_sequence_block_matches_cpu(block, dev, seq, seed):
+    """Script `block` (16 features), train it and a CPU copy with AdamW on three (2, seq, 16)
+    batches under MSE, every ratex fallback warning an error; compare losses and parameters."""
     model, ref = _pair(block)
-    model = jit.script(model)
-    model.to(dev)
-    torch.manual_seed(3)
-    batches = [(torch.randn(2, 5, 16), torch.randn(2, 5, 16)) for _ in range(3)]
+    model = jit.script(model).to(dev)
+    torch.manual_seed(seed)
+    batches = [(torch.randn(2, seq, 16), torch.randn(2, seq, 16)) for _ in range(3)]
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # no fallback anywhere
         _train(model, ref, batches, F.mse_loss, dev, lr=1e-2, optimizer=torch.optim.AdamW)
@@ -162,14 +167,7 @@ class _CausalBlock(nn.Module):
 def test_causal_attention_and_gelu_block_trains_like_cpu(dev):
     # attention runs as matmul + softmax + matmul (simplify.expand_attention), softmax and GELU in
     # PyTorch's kernels (library_dispatch), the linear layers' weight gradients as 2-d products
-    model, ref = _pair(_CausalBlock)
-    model = jit.script(model).to(dev)
-    torch.manual_seed(4)
-    batches = [(torch.randn(2, 6, 16), torch.randn(2, 6, 16)) for _ in range(3)]
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", UserWarning)  # no fallback anywhere
-        _train(model, ref, batches, F.mse_loss, dev, lr=1e-2, optimizer=torch.optim.AdamW)
-    assert metrics.counter_value("ratex::script_bwd.default") == 3
+    _adamw_sequence_block_matches_cpu(_CausalBlock, dev, seq=6, seed=4)
 
 
 def test_attention_expands_to_products_and_its_softmax_is_shared():
