@@ -132,6 +132,9 @@ MEMORY_RETAINED = _retain_freed_memory()
 # the step's error again rather than returning a half-updated buffer.
 PARAM_ALIASING = _flag("ENABLE_PARAM_ALIASING", False)
 PROFILE = _flag("RATEX_PROFILE", False)
+# Compiled CPU programs run on the native runner's thread (csrc/runner.cc), which never takes
+# the GIL; false (or no native library) runs them on a Python thread (ratex/core/launch.py).
+NATIVE_RUNNER = _flag("RATEX_NATIVE_RUNNER", True)
 SAVE_IR = os.environ.get("RATEX_SAVE_IR") or None
 CACHE_DIR = _cache_dir()  # None: no persistent compile cache
 CACHE_SIZE_MB = _positive_int("RATEX_CACHE_SIZE_MB", 1024)

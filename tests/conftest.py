@@ -16,3 +16,33 @@ def dev():
     """The lazy device, with counters reset."""
     metrics.reset()
     return torch.device("lazy", 0)
+
+
+@pytest.fixture(params=["native", "python"])
+def wrap_programs(request, monkeypatch):
+    """wrap_programs(wrap): from then on every program run calls wrap(fn, inputs) instead of
+    fn(*inputs), fn being the compiled program. The test runs once on each worker that runs
+    programs: the native runner's thread (csrc/runner.cc; skipped where the library isn't
+    built), which calls `wrap` back through tvm-ffi, and the Python executor thread."""
+    import tvm_ffi
+
+    from ratex.core import executor
+
+    if request.param == "native" and tvm_ffi.get_global_func("ratex.runner.prepare", allow_missing=True) is None:
+        pytest.skip("the native runner is not built (scripts/setup.sh builds it)")
+
+    def install(wrap):
+        if request.param == "native":
+            def launcher(self):
+                return self.native_launcher(tvm_ffi.convert(lambda *xs: wrap(self.fn, xs)))
+        else:
+            run = executor.Program.run
+
+            def launcher(self):
+                return None
+
+            monkeypatch.setattr(executor.Program, "run", lambda self, inputs: wrap(lambda *xs: run(self, list(xs)), inputs))
+        monkeypatch.setattr(executor.Program, "launcher", launcher)
+
+    install.worker = request.param
+    return install

@@ -181,25 +181,24 @@ def test_two_tensors_never_share_a_buffer(dev, aliasing):
     torch.testing.assert_close(b.cpu(), torch.full((8,), 20.0))
 
 
-def test_failed_step_does_not_restore_donated_buffers(dev, aliasing, monkeypatch):
-    from ratex.core import executor, launch
+def test_failed_step_does_not_restore_donated_buffers(dev, aliasing, monkeypatch, wrap_programs):
+    from ratex.core import launch
 
     w, u, v = torch.ones(4).to(dev), torch.zeros(4).to(dev), torch.ones(4).to(dev)
     lm.mark_step()
     w.add_(1)
     u.copy_(v * 5)  # doesn't read its old value: nothing to donate, so it can roll back
 
-    def fail(self, inputs):
+    def fail(fn, inputs):
         raise RuntimeError("injected failure")
 
-    run = executor.Program.run
-    monkeypatch.setattr(executor.Program, "run", fail)
+    wrap_programs(fail)
     lm.mark_step()
     with pytest.raises(launch.ExecutionError, match="writing in place"):
         lm.wait_device_ops()
     with pytest.raises(launch.ExecutionError, match="injected failure"):
         w.cpu()  # its old buffer was handed to the failed program: no silent stale value
-    monkeypatch.setattr(executor.Program, "run", run)
+    monkeypatch.undo()
     torch.testing.assert_close(u.cpu(), torch.zeros(4))
 
 

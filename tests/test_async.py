@@ -44,15 +44,15 @@ def test_tracing_of_next_step_overlaps_execution(dev):
     assert torch.isfinite(loss.cpu())
 
 
-def test_execution_error_surfaces_at_next_sync_and_rolls_back(dev, monkeypatch):
+def test_execution_error_surfaces_at_next_sync_and_rolls_back(dev, monkeypatch, wrap_programs):
     w = torch.ones(3).to(dev)
     lm.mark_step()
     w.add_(1)
 
-    def failing_run(self, inputs):
+    def failing(fn, inputs):
         raise IndexError("index 7 is out of bounds for dimension 0 with size 3")
 
-    monkeypatch.setattr(executor.Program, "run", failing_run)
+    wrap_programs(failing)
     lm.mark_step()  # launches and returns; the failure is reported at the next sync point
     with pytest.raises(sync.ExecutionError, match=r"executing graph .* out of bounds"):
         lm.wait_device_ops()
@@ -63,7 +63,36 @@ def test_execution_error_surfaces_at_next_sync_and_rolls_back(dev, monkeypatch):
     torch.testing.assert_close(w.cpu(), torch.full((3,), 5.0))
 
 
-def test_tracing_runs_at_most_one_program_ahead(dev, monkeypatch):
+def test_a_program_reading_a_failed_programs_output_fails_too(dev, monkeypatch, wrap_programs):
+    """The second step reads w from the first while the first still runs (on the native runner,
+    straight from its outputs), so it fails too; both steps' writes are rolled back."""
+    w = torch.ones(3).to(dev)
+    lm.mark_step()
+    lm.wait_device_ops()
+    runs = []
+
+    def first_fails(fn, inputs):
+        runs.append(len(runs))
+        if len(runs) == 1:
+            time.sleep(0.05)
+            raise RuntimeError("injected failure")
+        return fn(*inputs)
+
+    wrap_programs(first_fails)
+    w.add_(1)
+    lm.mark_step()
+    w.mul_(3)
+    lm.mark_step()
+    with pytest.raises(sync.ExecutionError, match="injected failure"):
+        lm.wait_device_ops()
+    monkeypatch.undo()
+    torch.testing.assert_close(w.cpu(), torch.ones(3))
+    w.add_(2)
+    lm.mark_step()
+    torch.testing.assert_close(w.cpu(), torch.full((3,), 3.0))
+
+
+def test_tracing_runs_at_most_one_program_ahead(dev, wrap_programs):
     """mark_step waits for older programs once MAX_IN_FLIGHT are launched, so a loop that traces
     faster than it executes does not queue steps (and their inputs) without bound."""
     from ratex.core import launch
@@ -71,14 +100,13 @@ def test_tracing_runs_at_most_one_program_ahead(dev, monkeypatch):
     w = torch.ones(3).to(dev)
     lm.mark_step()
     lm.wait_device_ops()
-    run = executor.Program.run
     most = []
 
-    def slow_run(self, inputs):
+    def slow(fn, inputs):
         time.sleep(0.05)
-        return run(self, inputs)
+        return fn(*inputs)
 
-    monkeypatch.setattr(executor.Program, "run", slow_run)
+    wrap_programs(slow)
     for _ in range(6):
         w.add_(1)
         lm.mark_step()

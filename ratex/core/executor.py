@@ -26,7 +26,7 @@ class Program:
     input's buffer (ENABLE_PARAM_ALIASING; see tvm_lowering/inplace.py).
     """
 
-    __slots__ = ("fn", "vm", "mod", "executable", "donate", "constant", "label", "empty")
+    __slots__ = ("fn", "vm", "mod", "executable", "donate", "constant", "label", "empty", "_launcher")
 
     def __init__(self, executable, mod, device, donate=(), constant=()):
         """`executable`: a VMExecutable, or a runtime module loaded from the disk cache (mod None).
@@ -40,6 +40,27 @@ class Program:
         self.constant = tuple(constant)
         self.label = None  # how errors name the graph (sync.py sets it at the first launch)
         self.empty = None  # whether an input has no elements (shapes are fixed: known at the first run)
+        self._launcher = None  # (PARAM_ALIASING, launcher or None) once launcher() was asked
+
+    def launcher(self):
+        """This program's launcher on the native runner (csrc/runner.cc), or None where it runs
+        on the Python executor thread: see `native_launcher`."""
+        made = self._launcher
+        if made is None or made[0] != config.PARAM_ALIASING:  # (tests flip the flag at run time)
+            made = self._launcher = (config.PARAM_ALIASING, self.native_launcher(self.fn))
+        return made[1]
+
+    def native_launcher(self, fn):
+        """A launcher that runs `fn` (this program's function, or one standing in for it) on the
+        native runner, with this program's buffer rules (see `run`); None without the native
+        library (or with RATEX_NATIVE_RUNNER=false), on GPU, or with an input without elements
+        (TVM may not take its DLPack strides as compact). `empty` must be known (sync sets it
+        from the graph's leaves)."""
+        prepare = tvm.get_global_func("ratex.runner.prepare", allow_missing=True) if config.NATIVE_RUNNER else None
+        if prepare is None or backend().kind != "CPU" or self.empty is not False:
+            return None
+        donate = [k for pair in sorted(self.donate) for k in pair]
+        return prepare(fn, config.PARAM_ALIASING, donate, list(self.constant))
 
     def run(self, inputs: list) -> list:
         """Run on device data `inputs`; return device data, one per root."""

@@ -7,6 +7,12 @@ fallback) waits for them with `resolve`. An error while executing is raised at
 the next sync point (`raise_failures`), naming the graph and the error, and the
 storages the failed step wrote go back to the values they had before it.
 RATEX_ASYNC=0, or `serialize(True)` (the profiler), runs programs inline.
+
+The worker is the native runner's C++ thread (csrc/runner.cc) where the program
+has a launcher (CPU, native library built), else a Python thread. A native job's
+outputs reach its Pendings when the tracing thread collects it: when a Pending is
+read, at the next launch once it is done, or at a drain; a later program takes an
+earlier one's outputs straight from the runner, collected or not.
 """
 import atexit
 import collections
@@ -14,6 +20,9 @@ import contextlib
 import os
 import queue
 import threading
+
+import torch
+import tvm_ffi
 
 from . import metrics
 
@@ -38,31 +47,94 @@ class ExecutionError(RuntimeError):
 class Job:
     """One launched program run: inputs in, outputs (or an error) out."""
 
-    __slots__ = ("program", "inputs", "targets", "pendings", "outs", "error", "done", "restore", "label")
+    __slots__ = ("program", "inputs", "targets", "pendings", "outs", "error", "done", "restore", "label", "ticket")
 
     def __init__(self, program, inputs, targets, label):
         self.program, self.inputs, self.targets, self.label = program, inputs, targets, label
-        self.outs = self.error = None
+        self.outs = self.error = self.ticket = None  # ticket: the native runner's, until collected
         self.restore = _restore_ctx[0]
         self.pendings = [Pending(self, k) for k in range(len(targets))]
         self.done = threading.Event()
 
     def run(self):
+        """Run the program here (the Python worker, or inline)."""
         try:
             inputs = [resolve(x) for x in self.inputs]
             with metrics.timed("ExecuteTime"):
                 self.outs = self.program.run(inputs)
-            for (node, idx), out, pending in zip(self.targets, self.outs, self.pendings):
-                pending.data = out  # first: whoever sees `out` on the node can find it through the Pending too
-                node.results[idx] = out  # replaces the Pending: later reads skip the indirection
-                pending.job = None  # copies of the Pending elsewhere let go of the job
-            self.restore = None
+            self._deliver()
         except BaseException as err:  # noqa: BLE001 - reported at the next sync point
-            self.error = err
-            _failed.append(self)
+            self._fail(err)
         finally:
             self.inputs = self.targets = self.pendings = None
             self.done.set()
+
+    def _deliver(self):
+        for (node, idx), out, pending in zip(self.targets, self.outs, self.pendings):
+            pending.data = out  # first: whoever sees `out` on the node can find it through the Pending too
+            node.results[idx] = out  # replaces the Pending: later reads skip the indirection
+            pending.job = None  # copies of the Pending elsewhere let go of the job
+        self.restore = None
+
+    def _fail(self, err):
+        self.error = err
+        _failed.append(self)
+
+    def start(self, launcher):
+        """Queue the run on the native runner (tracing thread). An input that an earlier
+        native job will produce goes as `ticket << 20 | output index` (csrc/runner.cc)."""
+        try:
+            args = []
+            for x in self.inputs:
+                if type(x) is Pending:
+                    job = x.job
+                    if job is None:
+                        x = x.data
+                    elif job.ticket is not None:
+                        x = job.ticket << _INDEX_BITS | x.index
+                    else:
+                        x = x.get()  # a failed job's: raises its error, which this job then reports
+                args.append(x)
+            self.ticket = launcher(*args)
+        except BaseException as err:  # noqa: BLE001 - reported at the next sync point, as run() does
+            self._fail(err)
+            self.targets = self.pendings = None
+            self.done.set()
+        finally:
+            self.inputs = None
+
+    def collect(self):
+        """Wait for a native run and hand its outputs to the Pendings (tracing thread)."""
+        ticket, self.ticket = self.ticket, None
+        if ticket is None:  # not native, or collected already (by another thread: wait for it)
+            self.done.wait()
+            return
+        wait, _, release = _runner()
+        try:
+            try:
+                got = wait(ticket, _TORCH_TENSOR)[:]
+            finally:
+                release(ticket)
+            metrics.record("ExecuteTime", got[0], got[1])
+            self.outs = got[2:]
+            self._deliver()
+        except BaseException as err:  # noqa: BLE001 - reported at the next sync point
+            self._fail(err)
+        finally:
+            self.targets = self.pendings = None
+            self.done.set()
+
+    def finished(self) -> bool:
+        """Whether the run is over (a native run that is: collected now)."""
+        if self.ticket is not None and _runner()[1](self.ticket):
+            self.collect()
+        return self.done.is_set()
+
+    def wait(self):
+        """Block until the run is over (and collected)."""
+        if self.ticket is not None:
+            self.collect()
+        self.done.wait()
 
     def forget_rollback(self, donated: list):
         """The buffers of these old values (node, index) are written in place: they can't be restored.
@@ -77,7 +149,7 @@ class Job:
         ]
 
     def result(self, k):
-        self.done.wait()
+        self.wait()
         if self.error is not None:
             raise ExecutionError(f"ratex: executing {self.label} failed: {self.error}") from self.error
         return self.outs[k]
@@ -105,6 +177,17 @@ ASYNC = os.environ.get("RATEX_ASYNC", "1").strip().lower() not in ("0", "false",
 _queue = queue.Queue()
 _failed = []
 _worker = None
+_INDEX_BITS = 20  # an input read from an earlier native run: ticket << 20 | output index
+_TORCH_TENSOR = torch.empty(0)  # passed to ratex.runner.wait, so that tvm-ffi returns torch tensors
+_native = None
+
+
+def _runner():
+    """(wait, done, release) of the native runner (csrc/runner.cc), looked up at first use."""
+    global _native
+    if _native is None:
+        _native = tuple(tvm_ffi.get_global_func(f"ratex.runner.{name}") for name in ("wait", "done", "release"))
+    return _native
 
 
 def _work():
@@ -139,17 +222,23 @@ def launch(job):
     if not ASYNC or _serial[0] > 0:
         job.run()
         return
+    launcher = job.program.launcher()
+    while _in_flight and (_in_flight[0].finished() or len(_in_flight) >= MAX_IN_FLIGHT):
+        _in_flight.popleft().wait()
+    _in_flight.append(job)
+    if launcher is not None:
+        job.start(launcher)
+        return
     if _worker is None:
         _worker = threading.Thread(target=_work, name="ratex-executor", daemon=True)
         _worker.start()
-    while _in_flight and (_in_flight[0].done.is_set() or len(_in_flight) >= MAX_IN_FLIGHT):
-        _in_flight.popleft().done.wait()
-    _in_flight.append(job)
     _queue.put(job)
 
 
 def drain():
-    """Wait until the worker has run everything launched so far."""
+    """Wait until everything launched so far has run (native runs: and is collected)."""
+    while _in_flight:
+        _in_flight.popleft().wait()
     if _worker is not None:
         _queue.join()
 
@@ -163,6 +252,8 @@ def _finish_at_exit():
 
 def raise_failures():
     """Raise the first execution error since the last sync, after rolling its tensors back."""
+    for job in tuple(_in_flight):
+        job.finished()  # a native run that is over reports its error only once collected
     if not _failed:
         return
     jobs = list(_failed)

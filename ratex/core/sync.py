@@ -161,6 +161,8 @@ def _execute(values: list, overwrites=()):
         else:
             metrics.counter_inc("CachedCompile")
         inputs = [node.results[idx] for node, idx in graph.leaves]
+        if program.empty is None:
+            program.empty = any(0 in node.metas[idx].shape for node, idx in graph.leaves)
         if program.label is None:  # for error messages; naming it hashes the whole key again
             program.label = f"graph {_label(graph)} ({len(graph.nodes)} ops)"
         job = launch.Job(program, inputs, roots, program.label)

@@ -1,0 +1,296 @@
+// The native program runner: compiled CPU programs run on a C++ thread that never takes the GIL.
+//
+// ratex overlaps a step's execution with the tracing of the next one. When a Python thread
+// ran the programs, it needed the GIL twice per program (to start it and to hand its
+// outputs back), while the tracing thread holds the GIL all the time except inside torch's
+// op calls, which drop and retake it for every op. Each such drop woke the waiting runner,
+// which mostly lost the race and slept again: LeNet-5 at batch 1 paid ~10 futex wake-ups
+// and context switches per step, and traced ~0.4 ms a step slower than with no overlap at
+// all (RATEX_ASYNC=0). Here the tracing thread launches a run (one ffi call), and collects
+// its outputs when it next needs them (ratex/core/launch.py); the run itself, the reads of
+// an earlier run's outputs and the buffer bookkeeping happen on this thread, with no Python.
+//
+// Functions (registered as global ffi functions by RatexRegisterRunner):
+//   ratex.runner.prepare(fn, own, donate, constant) -> launcher
+//       `fn`: a compiled program's entry (a Relax VM function returning a tuple).
+//       `own`: give every output its own buffer (ENABLE_PARAM_ALIASING; executor.py's
+//       _own_buffers is the Python twin), except output j where (i, j) is in the flat list
+//       `donate` of (input, output) pairs; outputs listed in `constant` are always copied.
+//   launcher(*inputs) -> ticket (int)
+//       Queues one run. An input is a tensor, or the int `ticket << 20 | k`: output k of an
+//       earlier run, read when this run starts (runs go in launch order).
+//   ratex.runner.wait(ticket, like) -> [start, end, outputs...]
+//       Blocks until the run is done (tvm-ffi releases the GIL meanwhile) and returns its
+//       times (seconds on the clock of Python's time.perf_counter) and outputs, or raises its
+//       error. A torch tensor as `like` makes tvm-ffi return torch tensors.
+//   ratex.runner.done(ticket) -> bool;  ratex.runner.release(ticket): forget a collected run.
+#include <tvm/ffi/container/array.h>
+#include <tvm/ffi/container/tensor.h>
+#include <tvm/ffi/error.h>
+#include <tvm/ffi/function.h>
+
+#include <unistd.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+namespace {
+
+namespace ffi = tvm::ffi;
+
+constexpr int kIndexBits = 20;
+
+struct Program {
+  ffi::Function fn;
+  bool own = false;
+  std::set<std::pair<int64_t, int64_t>> donate;
+  std::vector<int64_t> constant;
+};
+
+struct Run {
+  std::shared_ptr<const Program> program;
+  std::vector<ffi::Any> inputs;
+  std::vector<std::tuple<size_t, std::shared_ptr<Run>, int64_t>> reads;  // (input position, run, output)
+  std::vector<ffi::Any> outputs;
+  std::string error;  // set when the run failed
+  double start = 0, end = 0;
+  bool done = false;  // guarded by Runner::mutex_
+};
+
+double now() {
+  // steady_clock is CLOCK_MONOTONIC on Linux, as time.perf_counter is.
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// A host buffer from malloc for a copied output.
+struct HostAlloc {
+  size_t bytes;
+  void AllocData(DLTensor* t) {
+    t->data = std::aligned_alloc(64, (bytes + 63) / 64 * 64 + 64);
+    if (t->data == nullptr) throw std::bad_alloc();
+  }
+  void FreeData(DLTensor* t) { std::free(t->data); }
+};
+
+size_t numel(const DLTensor* t) {
+  size_t n = 1;
+  for (int d = 0; d < t->ndim; ++d) n *= static_cast<size_t>(t->shape[d]);
+  return n;
+}
+
+const void* data_of(const ffi::Any& x) {
+  auto t = x.as<ffi::Tensor>();
+  if (!t.has_value()) return nullptr;
+  const DLTensor* d = t->GetDLTensorPtr();
+  if (numel(d) == 0) return nullptr;
+  return static_cast<const char*>(d->data) + d->byte_offset;
+}
+
+// A copy of a compact host tensor in a buffer of its own.
+ffi::Any copy_of(const ffi::Any& x) {
+  ffi::Tensor t = x.cast<ffi::Tensor>();
+  const DLTensor* d = t.GetDLTensorPtr();
+  if (d->device.device_type != kDLCPU || !t.IsContiguous()) {
+    TVM_FFI_THROW(RuntimeError) << "ratex runner: an output to copy is not a compact host tensor";
+  }
+  size_t bytes = numel(d) * ((d->dtype.bits * d->dtype.lanes + 7) / 8);
+  ffi::Tensor out = ffi::Tensor::FromNDAlloc(HostAlloc{bytes}, ffi::ShapeView(d->shape, d->ndim), d->dtype, d->device);
+  std::memcpy(const_cast<void*>(out.GetDLTensorPtr()->data), static_cast<const char*>(d->data) + d->byte_offset, bytes);
+  return out;
+}
+
+// Give each output its own buffer: no output may share one with an input (unless donated) or
+// with another output, since a later run may write it in place.
+void own_buffers(const Program& p, const std::vector<ffi::Any>& inputs, std::vector<ffi::Any>& outs) {
+  for (int64_t j : p.constant) outs.at(j) = copy_of(outs.at(j));
+  std::unordered_map<const void*, int64_t> owner;  // buffer -> input i (>= 0) or output ~j
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (const void* ptr = data_of(inputs[i])) owner.emplace(ptr, static_cast<int64_t>(i));
+  }
+  for (size_t j = 0; j < outs.size(); ++j) {
+    const void* ptr = data_of(outs[j]);
+    if (ptr == nullptr) continue;
+    auto it = owner.find(ptr);
+    if (it == owner.end()) {
+      owner.emplace(ptr, ~static_cast<int64_t>(j));
+    } else if (it->second >= 0 && p.donate.count({it->second, static_cast<int64_t>(j)})) {
+      it->second = ~static_cast<int64_t>(j);
+    } else {
+      outs[j] = copy_of(outs[j]);
+    }
+  }
+}
+
+class Runner {
+ public:
+  // The process's runner; a forked child, which has no copy of the parent's thread, gets its own.
+  static Runner& get() {
+    static std::mutex guard;
+    static Runner* runner = nullptr;  // never destroyed: its thread outlives static teardown
+    static pid_t owner = 0;
+    std::lock_guard<std::mutex> lock(guard);
+    if (runner == nullptr || owner != getpid()) {
+      runner = new Runner();
+      owner = getpid();
+    }
+    return *runner;
+  }
+
+  int64_t launch(std::shared_ptr<Run> run) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    int64_t ticket = next_++;
+    runs_[ticket] = run;
+    queue_.push_back(std::move(run));
+    if (!thread_.joinable()) thread_ = std::thread([this] { work(); });
+    wake_.notify_one();
+    return ticket;
+  }
+
+  std::shared_ptr<Run> find(int64_t ticket) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = runs_.find(ticket);
+    if (it == runs_.end()) TVM_FFI_THROW(ValueError) << "ratex runner: no run with ticket " << ticket;
+    return it->second;
+  }
+
+  void wait(const Run& run) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    done_.wait(lock, [&] { return run.done; });
+  }
+
+  bool done(const Run& run) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return run.done;
+  }
+
+  void release(int64_t ticket) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    runs_.erase(ticket);
+  }
+
+ private:
+  void work() {
+    for (;;) {
+      std::shared_ptr<Run> run;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        wake_.wait(lock, [&] { return !queue_.empty(); });
+        run = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      execute(*run);
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        run->done = true;
+      }
+      done_.notify_all();
+    }
+  }
+
+  static void execute(Run& run) {
+    run.start = now();
+    try {
+      for (auto& [pos, source, k] : run.reads) {
+        if (!source->error.empty()) {
+          TVM_FFI_THROW(RuntimeError) << "an input comes from a program that failed (" << source->error << ")";
+        }
+        run.inputs.at(pos) = source->outputs.at(k);
+      }
+      run.reads.clear();  // the earlier runs may go now
+      std::vector<ffi::AnyView> args(run.inputs.begin(), run.inputs.end());
+      ffi::Any result;
+      run.program->fn.CallPacked(args.data(), static_cast<int32_t>(args.size()), &result);
+      ffi::Array<ffi::Any> outs = result.cast<ffi::Array<ffi::Any>>();
+      run.outputs.assign(outs.begin(), outs.end());
+      if (run.program->own) own_buffers(*run.program, run.inputs, run.outputs);
+    } catch (const ffi::Error& e) {
+      run.error = e.kind() + ": " + e.message();
+    } catch (const std::exception& e) {
+      run.error = std::string("Error: ") + e.what();
+    }
+    if (!run.error.empty()) run.outputs.clear();
+    run.inputs.clear();
+    run.reads.clear();
+    run.end = now();
+  }
+
+  std::mutex mutex_;
+  std::condition_variable wake_, done_;
+  std::deque<std::shared_ptr<Run>> queue_;
+  std::unordered_map<int64_t, std::shared_ptr<Run>> runs_;
+  int64_t next_ = 1;
+  std::thread thread_;
+};
+
+std::vector<int64_t> ints(const ffi::Array<ffi::Any>& xs) {
+  std::vector<int64_t> out;
+  for (const ffi::Any& x : xs) out.push_back(x.cast<int64_t>());
+  return out;
+}
+
+ffi::Function prepare(ffi::Function fn, bool own, ffi::Array<ffi::Any> donate, ffi::Array<ffi::Any> constant) {
+  auto program = std::make_shared<Program>();
+  program->fn = std::move(fn);
+  program->own = own;
+  std::vector<int64_t> pairs = ints(donate);
+  if (pairs.size() % 2) TVM_FFI_THROW(ValueError) << "ratex runner: donate must list (input, output) pairs";
+  for (size_t i = 0; i < pairs.size(); i += 2) program->donate.emplace(pairs[i], pairs[i + 1]);
+  program->constant = ints(constant);
+  return ffi::Function::FromPacked([program](ffi::PackedArgs args, ffi::Any* rv) {
+    Runner& runner = Runner::get();
+    auto run = std::make_shared<Run>();
+    run->program = program;
+    run->inputs.reserve(args.size());
+    for (int i = 0; i < args.size(); ++i) {
+      if (auto code = args[i].try_cast<int64_t>(); code.has_value() && args[i].type_index() == ffi::TypeIndex::kTVMFFIInt) {
+        run->reads.emplace_back(static_cast<size_t>(i), runner.find(*code >> kIndexBits),
+                                *code & ((int64_t{1} << kIndexBits) - 1));
+        run->inputs.emplace_back(nullptr);
+      } else {
+        run->inputs.emplace_back(args[i]);
+      }
+    }
+    *rv = runner.launch(std::move(run));
+  });
+}
+
+ffi::Array<ffi::Any> wait(int64_t ticket, ffi::AnyView /*like*/) {
+  Runner& runner = Runner::get();
+  std::shared_ptr<Run> run = runner.find(ticket);
+  runner.wait(*run);
+  if (!run->error.empty()) TVM_FFI_THROW(RuntimeError) << run->error;
+  ffi::Array<ffi::Any> out;
+  out.reserve(run->outputs.size() + 2);
+  out.push_back(run->start);
+  out.push_back(run->end);
+  for (const ffi::Any& x : run->outputs) out.push_back(x);
+  return out;
+}
+
+}  // namespace
+
+// Registers ratex.runner.*. Returns 0, or -1 with the ffi error set.
+extern "C" int RatexRegisterRunner() {
+  TVM_FFI_SAFE_CALL_BEGIN();
+  ffi::Function::SetGlobal("ratex.runner.prepare", ffi::Function::FromTyped(prepare), true);
+  ffi::Function::SetGlobal("ratex.runner.wait", ffi::Function::FromTyped(wait), true);
+  ffi::Function::SetGlobal("ratex.runner.done", ffi::Function::FromTyped([](int64_t ticket) {
+    Runner& runner = Runner::get();
+    return runner.done(*runner.find(ticket));
+  }), true);
+  ffi::Function::SetGlobal("ratex.runner.release", ffi::Function::FromTyped([](int64_t ticket) {
+    Runner::get().release(ticket);
+  }), true);
+  TVM_FFI_SAFE_CALL_END();
+}
