@@ -19,10 +19,11 @@
 //   launcher(*inputs) -> ticket (int)
 //       Queues one run. An input is a tensor, or the int `ticket << 20 | k`: output k of an
 //       earlier run, read when this run starts (runs go in launch order).
-//   ratex.runner.wait(ticket, like) -> [start, end, outputs...]
+//   ratex.runner.wait(ticket, like, timeout) -> [start, end, outputs...], or [] after timeout s
 //       Blocks until the run is done (tvm-ffi releases the GIL meanwhile) and returns its
 //       times (seconds on the clock of Python's time.perf_counter) and outputs, or raises its
-//       error. A torch tensor as `like` makes tvm-ffi return torch tensors.
+//       error. A torch tensor as `like` makes tvm-ffi return torch tensors. The timeout lets
+//       Python handle a Ctrl-C while a long program runs.
 //   ratex.runner.done(ticket) -> bool;  ratex.runner.release(ticket): forget a collected run.
 #include <tvm/ffi/container/array.h>
 #include <tvm/ffi/container/tensor.h>
@@ -164,9 +165,9 @@ class Runner {
     return it->second;
   }
 
-  void wait(const Run& run) {
+  bool wait(const Run& run, double timeout) {
     std::unique_lock<std::mutex> lock(mutex_);
-    done_.wait(lock, [&] { return run.done; });
+    return done_.wait_for(lock, std::chrono::duration<double>(timeout), [&] { return run.done; });
   }
 
   bool done(const Run& run) {
@@ -265,12 +266,12 @@ ffi::Function prepare(ffi::Function fn, bool own, ffi::Array<ffi::Any> donate, f
   });
 }
 
-ffi::Array<ffi::Any> wait(int64_t ticket, ffi::AnyView /*like*/) {
+ffi::Array<ffi::Any> wait(int64_t ticket, ffi::AnyView /*like*/, double timeout) {
   Runner& runner = Runner::get();
   std::shared_ptr<Run> run = runner.find(ticket);
-  runner.wait(*run);
-  if (!run->error.empty()) TVM_FFI_THROW(RuntimeError) << run->error;
   ffi::Array<ffi::Any> out;
+  if (!runner.wait(*run, timeout)) return out;
+  if (!run->error.empty()) TVM_FFI_THROW(RuntimeError) << run->error;
   out.reserve(run->outputs.size() + 2);
   out.push_back(run->start);
   out.push_back(run->end);

@@ -1,5 +1,8 @@
 """Asynchronous execution: tracing overlaps execution; execution errors surface at the next sync
 and leave the tensors of the failed step as they were."""
+import os
+import signal
+import threading
 import time
 
 import pytest
@@ -114,3 +117,25 @@ def test_tracing_runs_at_most_one_program_ahead(dev, wrap_programs):
     lm.wait_device_ops()
     assert max(most) == launch.MAX_IN_FLIGHT, most
     torch.testing.assert_close(w.cpu(), torch.full((3,), 7.0))
+
+
+def test_ctrl_c_while_waiting_for_a_program_leaves_it_running(dev, wrap_programs):
+    """A KeyboardInterrupt reaches a thread waiting for a long program (on the native runner,
+    within its 0.2 s wait slices), not once the program is over; it still finishes, and its results are kept."""
+    w = torch.ones(3).to(dev)
+    lm.mark_step()
+    lm.wait_device_ops()
+
+    def slow(fn, inputs):
+        time.sleep(2.0)
+        return fn(*inputs)
+
+    wrap_programs(slow)
+    w.add_(1)
+    lm.mark_step()
+    threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()
+    start = time.perf_counter()
+    with pytest.raises(KeyboardInterrupt):
+        w.cpu()
+    assert time.perf_counter() - start < 1.5  # long before the program ends
+    torch.testing.assert_close(w.cpu(), torch.full((3,), 2.0))

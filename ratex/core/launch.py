@@ -105,19 +105,27 @@ class Job:
 
     def collect(self):
         """Wait for a native run and hand its outputs to the Pendings (tracing thread)."""
-        ticket, self.ticket = self.ticket, None
-        if ticket is None:  # not native, or collected already (by another thread: wait for it)
+        ticket = self.ticket
+        if ticket is None:  # not native, or collected already
             self.done.wait()
             return
         wait, _, release = _runner()
         try:
-            try:
-                got = wait(ticket, _TORCH_TENSOR)[:]
-            finally:
-                release(ticket)
-            metrics.record("ExecuteTime", got[0], got[1])
-            self.outs = got[2:]
-            self._deliver()
+            got = wait(ticket, _TORCH_TENSOR, _WAIT_SLICE)
+            while not got:  # back in Python now and then: a Ctrl-C raises here, leaving the job as it is
+                got = wait(ticket, _TORCH_TENSOR, _WAIT_SLICE)
+        except Exception as err:  # noqa: BLE001 - the run's error
+            got = err
+        self.ticket = None
+        release(ticket)
+        try:
+            if isinstance(got, Exception):
+                self._fail(got)
+            else:
+                got = got[:]
+                metrics.record("ExecuteTime", got[0], got[1])
+                self.outs = got[2:]
+                self._deliver()
         except BaseException as err:  # noqa: BLE001 - reported at the next sync point
             self._fail(err)
         finally:
@@ -179,6 +187,7 @@ _failed = []
 _worker = None
 _INDEX_BITS = 20  # an input read from an earlier native run: ticket << 20 | output index
 _TORCH_TENSOR = torch.empty(0)  # passed to ratex.runner.wait, so that tvm-ffi returns torch tensors
+_WAIT_SLICE = 0.2  # seconds ratex.runner.wait blocks before Python gets to look at signals
 _native = None
 
 
