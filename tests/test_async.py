@@ -139,3 +139,18 @@ def test_ctrl_c_while_waiting_for_a_program_leaves_it_running(dev, wrap_programs
         w.cpu()
     assert time.perf_counter() - start < 1.5  # long before the program ends
     torch.testing.assert_close(w.cpu(), torch.full((3,), 2.0))
+
+
+def test_programs_on_both_workers_read_each_others_outputs(dev):
+    """A program with an input without elements runs on the Python worker (csrc/runner.cc takes
+    none); it reads w from the native runner's run before it, and the next native run reads its."""
+    w, empty = torch.ones(8, 8).to(dev), torch.zeros(0).to(dev)
+    lm.mark_step()
+    expected = torch.ones(8, 8)
+    for _ in range(5):
+        w.mul_(1.5).add_(1)
+        lm.mark_step()
+        w.add_(empty.sum())
+        lm.mark_step()
+        expected = expected * 1.5 + 1
+    torch.testing.assert_close(w.cpu(), expected)

@@ -104,10 +104,15 @@ class Job:
             self.inputs = None
 
     def collect(self):
-        """Wait for a native run and hand its outputs to the Pendings (tracing thread)."""
+        """Wait for a native run and hand its outputs to the Pendings (usually on the tracing
+        thread; the Python worker, running a program that reads this one's output, may too)."""
+        with _collecting:
+            self._collect()
+        self.done.wait()
+
+    def _collect(self):
         ticket = self.ticket
         if ticket is None:  # not native, or collected already
-            self.done.wait()
             return
         wait, _, release = _runner()
         try:
@@ -189,6 +194,7 @@ _INDEX_BITS = 20  # an input read from an earlier native run: ticket << 20 | out
 _TORCH_TENSOR = torch.empty(0)  # passed to ratex.runner.wait, so that tvm-ffi returns torch tensors
 _WAIT_SLICE = 0.2  # seconds ratex.runner.wait blocks before Python gets to look at signals
 _native = None
+_collecting = threading.Lock()  # one thread at a time hands a native run's outputs over
 
 
 def _runner():
