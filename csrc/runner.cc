@@ -4,9 +4,9 @@
 // ran the programs, it needed the GIL twice per program (to start it and to hand its
 // outputs back), while the tracing thread holds the GIL all the time except inside torch's
 // op calls, which drop and retake it for every op. Each such drop woke the waiting runner,
-// which mostly lost the race and slept again: LeNet-5 at batch 1 paid ~10 futex wake-ups
-// and context switches per step, and traced ~0.4 ms a step slower than with no overlap at
-// all (RATEX_ASYNC=0). Here the tracing thread launches a run (one ffi call), and collects
+// which mostly lost the race and slept again: at LeNet-5 batch 1 the two threads switched
+// ~14 times a step, and pipelined steps took 1.72-1.84 ms against 1.57-1.61 ms with no
+// overlap at all (RATEX_ASYNC=0). Here the tracing thread launches a run (one ffi call), and collects
 // its outputs when it next needs them (ratex/core/launch.py); the run itself, the reads of
 // an earlier run's outputs and the buffer bookkeeping happen on this thread, with no Python.
 //
@@ -15,7 +15,8 @@
 //       `fn`: a compiled program's entry (a Relax VM function returning a tuple).
 //       `own`: give every output its own buffer (ENABLE_PARAM_ALIASING; executor.py's
 //       _own_buffers is the Python twin), except output j where (i, j) is in the flat list
-//       `donate` of (input, output) pairs; outputs listed in `constant` are always copied.
+//       `donate` of (input, output) pairs; with `own`, outputs listed in `constant` (folded
+//       constants: the same buffer every run) are copied too.
 //   launcher(*inputs) -> ticket (int)
 //       Queues one run. An input is a tensor, or the int `ticket << 20 | k`: output k of an
 //       earlier run, read when this run starts (runs go in launch order).
