@@ -22,14 +22,17 @@ def dev():
 def wrap_programs(request, monkeypatch):
     """wrap_programs(wrap): from then on every program run calls wrap(fn, inputs) instead of
     fn(*inputs), fn being the compiled program. The test runs once on each worker that runs
-    programs: the native runner's thread (csrc/runner.cc; skipped where the library isn't
+    programs: the native runner's thread (csrc/runner.cc; skipped where it is off or not
     built), which calls `wrap` back through tvm-ffi, and the Python executor thread."""
     import tvm_ffi
 
+    from ratex import config
     from ratex.core import executor
 
-    if request.param == "native" and tvm_ffi.get_global_func("ratex.runner.prepare", allow_missing=True) is None:
-        pytest.skip("the native runner is not built (scripts/setup.sh builds it)")
+    if request.param == "native" and (
+        not config.NATIVE_RUNNER or tvm_ffi.get_global_func("ratex.runner.prepare", allow_missing=True) is None
+    ):
+        pytest.skip("the native runner is off (RATEX_NATIVE_RUNNER) or not built (scripts/setup.sh builds it)")
 
     def install(wrap):
         if request.param == "native":
@@ -44,5 +47,4 @@ def wrap_programs(request, monkeypatch):
             monkeypatch.setattr(executor.Program, "run", lambda self, inputs: wrap(lambda *xs: run(self, list(xs)), inputs))
         monkeypatch.setattr(executor.Program, "launcher", launcher)
 
-    install.worker = request.param
     return install

@@ -154,3 +154,21 @@ def test_programs_on_both_workers_read_each_others_outputs(dev):
         lm.mark_step()
         expected = expected * 1.5 + 1
     torch.testing.assert_close(w.cpu(), expected)
+
+
+def test_cpu_programs_run_on_the_native_runner(dev):
+    import tvm_ffi
+
+    from ratex import config
+    from ratex.core import launch
+
+    if not config.NATIVE_RUNNER or tvm_ffi.get_global_func("ratex.runner.prepare", allow_missing=True) is None:
+        pytest.skip("the native runner is off or not built")
+    w = torch.ones(4).to(dev)
+    lm.mark_step()
+    lm.wait_device_ops()
+    w.add_(1)
+    lm.mark_step()
+    assert launch._in_flight[-1].ticket is not None  # on the runner, not collected yet
+    torch.testing.assert_close(w.cpu(), torch.full((4,), 2.0))
+    assert launch._in_flight[-1].ticket is None  # reading w collected it
