@@ -39,7 +39,7 @@ class Program:
         self.donate = frozenset(donate)
         self.constant = tuple(constant)
         self.label = None  # how errors name the graph (sync.py sets it at the first launch)
-        self.empty = None  # whether an input has no elements (shapes are fixed: known at the first run)
+        self.empty = None  # whether an input has no elements (shapes are fixed: sync sets it at the first launch)
         self._launcher = None  # (PARAM_ALIASING, launcher or None) once launcher() was asked
 
     def launcher(self):
@@ -65,8 +65,6 @@ class Program:
     def run(self, inputs: list) -> list:
         """Run on device data `inputs`; return device data, one per root."""
         be = backend()
-        if self.empty is None:
-            self.empty = any(x.numel() == 0 for x in inputs)
         outs = be.call(self.fn, inputs, self.empty)
         if config.PARAM_ALIASING:
             for j in self.constant:  # a folded constant: the same buffer every run; donating it would change it
