@@ -20,11 +20,11 @@
 //   launcher(*inputs) -> ticket (int)
 //       Queues one run. An input is a tensor, or the int `ticket << 20 | k`: output k of an
 //       earlier run, read when this run starts (runs go in launch order).
-//   ratex.runner.wait(ticket, like, timeout) -> [start, end, outputs...], or [] after timeout s
+//   ratex.runner.wait(ticket, timeout) -> [start, end, outputs...], or [] after timeout s
 //       Blocks until the run is done (tvm-ffi releases the GIL meanwhile) and returns its
-//       times (seconds on the clock of Python's time.perf_counter) and outputs, or raises its
-//       error. A torch tensor as `like` makes tvm-ffi return torch tensors. The timeout lets
-//       Python handle a Ctrl-C while a long program runs.
+//       times (seconds on the clock of Python's time.perf_counter) and outputs (tvm-ffi
+//       tensors: Python makes torch tensors of the few it reads), or raises its error. The
+//       timeout lets Python handle a Ctrl-C while a long program runs.
 //   ratex.runner.done(ticket) -> bool;  ratex.runner.release(ticket): forget a collected run.
 #include <tvm/ffi/container/array.h>
 #include <tvm/ffi/container/tensor.h>
@@ -267,7 +267,7 @@ ffi::Function prepare(ffi::Function fn, bool own, ffi::Array<ffi::Any> donate, f
   });
 }
 
-ffi::Array<ffi::Any> wait(int64_t ticket, ffi::AnyView /*like*/, double timeout) {
+ffi::Array<ffi::Any> wait(int64_t ticket, double timeout) {
   Runner& runner = Runner::get();
   std::shared_ptr<Run> run = runner.find(ticket);
   ffi::Array<ffi::Any> out;

@@ -21,7 +21,6 @@ import os
 import queue
 import threading
 
-import torch
 import tvm_ffi
 
 from . import metrics
@@ -116,9 +115,9 @@ class Job:
             return
         wait, _, release = _runner()
         try:
-            got = wait(ticket, _TORCH_TENSOR, _WAIT_SLICE)
+            got = wait(ticket, _WAIT_SLICE)
             while not got:  # back in Python now and then: a Ctrl-C raises here, leaving the job as it is
-                got = wait(ticket, _TORCH_TENSOR, _WAIT_SLICE)
+                got = wait(ticket, _WAIT_SLICE)
         except Exception as err:  # noqa: BLE001 - the run's error
             got = err
         self.ticket = None
@@ -191,7 +190,6 @@ _queue = queue.Queue()
 _failed = []
 _worker = None
 _INDEX_BITS = 20  # an input read from an earlier native run: ticket << 20 | output index
-_TORCH_TENSOR = torch.empty(0)  # passed to ratex.runner.wait, so that tvm-ffi returns torch tensors
 _WAIT_SLICE = 0.2  # seconds ratex.runner.wait blocks before Python gets to look at signals
 _native = None
 _collecting = threading.Lock()  # one thread at a time hands a native run's outputs over
