@@ -115,6 +115,9 @@ def _collect(func, args, kwargs):
     """Return (spec, input values, input metas) for a call, checking devices."""
     if not kwargs and len(args) == 2 and _is_value_arg(args[0]) and _is_value_arg(args[1]):  # x + y
         return _BINARY_SPEC, [_arg_value(args[0]), _arg_value(args[1])], (_arg_sig(args[0]), _arg_sig(args[1]))
+    if not kwargs and len(args) == 3 and _is_value_arg(args[0]) and _is_value_arg(args[1]) \
+            and _is_value_arg(args[2]):  # addcmul(p, buf, lr)
+        return _TERNARY_SPEC, [_arg_value(a) for a in args], tuple([_arg_sig(a) for a in args])
     if any(k in kwargs for k in _DEVICE_KWARGS):
         kwargs = {k: v for k, v in kwargs.items() if k not in _DEVICE_KWARGS}
     found = []
@@ -203,6 +206,7 @@ def _value_op(func, *args):
 
 _EMPTY = {}
 _BINARY_SPEC = ((ir.slot(0), ir.slot(1)), _NO_KWARGS)  # what _collect makes of f(tensor, tensor)
+_TERNARY_SPEC = ((ir.slot(0), ir.slot(1), ir.slot(2)), _NO_KWARGS)
 
 
 def _is_value_arg(x) -> bool:
@@ -655,10 +659,14 @@ def _mutating(func, args, kwargs):
 # ops are recorded straight on IR values and written -- no result tensor, no nested dispatch.
 # Anything else (broadcasting, type promotion, an expanded target) takes `_mutating`.
 def _binary_inplace(fop):
+    sign = -1 if fop is aten.sub.Tensor else 1
+
     def value(self, other, *, alpha=1):
         if alpha != 1:
             if type(other) is not tensor.LazyTensor:
                 return None
+            if _liftable(alpha):  # p.add_(buf, alpha=-lr): one node, self + other * alpha, the lr an input
+                return _value_op(aten.addcmul.default, self, other, _scalar_input(sign * alpha, self._sig[2]))
             other = _value_op(aten.mul.Tensor, other, alpha)
         return _value_op(fop, self, other)
 

@@ -120,6 +120,28 @@ def _binary(imp, node):
 rule(*_ARITH, *_COMPARE)(_binary)
 
 
+@rule("addcmul.default")
+def addcmul(imp, node):
+    """self + value * t1 * t2, computed in the output's dtype (narrow integers in int32).
+    ratex records an optimizer's `p.add_(buf, alpha=-lr)` as addcmul(p, buf, lr_input)."""
+    from ..dtypes import to_tvm
+
+    out_dtype = to_tvm(node.meta["val"].dtype)
+    compute = "int32" if out_dtype in _NARROW else out_dtype
+    bb = imp.block_builder
+    operands = []
+    for a in node.args[:3]:
+        x = imp.env[a]
+        operands.append(x if str(x.ty.dtype) == compute else bb.emit(relax.op.astype(x, compute)))
+    x, t1, t2 = operands
+    prod = bb.emit(relax.op.multiply(t1, t2))
+    value = node.kwargs.get("value", 1)
+    if value != 1:
+        prod = bb.emit(relax.op.multiply(relax.const(value, compute), prod))
+    out = bb.emit(relax.op.add(x, prod))
+    return out if compute == out_dtype else bb.emit(relax.op.astype(out, out_dtype))
+
+
 # ---- casts to bfloat16 ------------------------------------------------------------------
 # TVM computes bfloat16 in float32 and, inside a fused kernel, folds
 # float32 -> bfloat16 -> float32 casts away, so `x.bfloat16().float()` would not round.
