@@ -81,3 +81,22 @@ def test_foreach_ops_match_cpu(dev, name):
     for lazy_list, cpu_list in zip(lazy, cpu):
         torch.testing.assert_close([t.cpu() for t in lazy_list], cpu_list)
     assert not [c for c in metrics.counter_names() if c.startswith("aten::")]
+
+
+def test_inplace_alpha_is_one_node_with_the_lr_an_input(dev):
+    """p.add_(buf, alpha=-lr) and p.sub_(buf, alpha=lr) each record one addcmul node whose alpha
+    is an input: they match CPU, and a new learning rate runs the same program."""
+    g = torch.Generator().manual_seed(3)
+    p, buf = torch.randn(4, 5, generator=g), torch.randn(4, 5, generator=g)
+    lazy_p, lazy_buf = p.to(dev), buf.to(dev)
+    lm.mark_step()
+    for step, lr in enumerate((0.1, 0.037)):
+        metrics.reset()
+        for t, b in ((lazy_p, lazy_buf), (p, buf)):
+            t.add_(b, alpha=-lr)
+            t.sub_(b, alpha=3 * lr)
+        lm.mark_step()
+        torch.testing.assert_close(lazy_p.cpu(), p)
+        assert metrics.counter_value("ratex::addcmul.default") == 2
+        assert not metrics.counter_value("ratex::mul.Tensor")
+        assert bool(metrics.counter_value("UncachedCompile")) == (step == 0), "a new lr recompiled"
