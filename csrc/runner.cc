@@ -31,6 +31,7 @@
 #include <tvm/ffi/error.h>
 #include <tvm/ffi/function.h>
 
+#include <pthread.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -137,16 +138,16 @@ void own_buffers(const Program& p, const std::vector<ffi::Any>& inputs, std::vec
 class Runner {
  public:
   // The process's runner; a forked child, which has no copy of the parent's thread, gets its own.
+  // (A fork handler forgets the parent's: getpid() here was a system call on every call.)
   static Runner& get() {
     static std::mutex guard;
-    static Runner* runner = nullptr;  // never destroyed: its thread outlives static teardown
-    static pid_t owner = 0;
     std::lock_guard<std::mutex> lock(guard);
-    if (runner == nullptr || owner != getpid()) {
-      runner = new Runner();
-      owner = getpid();
+    if (current_ == nullptr) {
+      static const int forget_in_child = pthread_atfork(nullptr, nullptr, [] { current_ = nullptr; });
+      (void)forget_in_child;
+      current_ = new Runner();  // never destroyed: its thread outlives static teardown
     }
-    return *runner;
+    return *current_;
   }
 
   int64_t launch(std::shared_ptr<Run> run) {
@@ -154,7 +155,12 @@ class Runner {
     int64_t ticket = next_++;
     runs_[ticket] = run;
     queue_.push_back(std::move(run));
-    if (!thread_.joinable()) thread_ = std::thread([this] { work(); });
+    if (!thread_.joinable()) {
+      thread_ = std::thread([this] {
+        pthread_setname_np(pthread_self(), "ratex-runner");  // as top, perf and /proc name it
+        work();
+      });
+    }
     wake_.notify_one();
     return ticket;
   }
@@ -177,8 +183,20 @@ class Runner {
   }
 
   void release(int64_t ticket) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    runs_.erase(ticket);
+    std::shared_ptr<Run> run;
+    bool done;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto it = runs_.find(ticket);
+      if (it == runs_.end()) return;
+      run = std::move(it->second);
+      runs_.erase(it);
+      done = run->done;
+    }
+    // A later run may still read this one's outputs (it holds the run); the inputs are this
+    // run's alone, and once it is done, no other thread touches them: they go now, on this
+    // thread (see execute).
+    if (done) run->inputs.clear();
   }
 
  private:
@@ -195,6 +213,7 @@ class Runner {
       {
         std::lock_guard<std::mutex> lock(mutex_);
         run->done = true;
+        run.reset();  // runs_ holds it until release, which needs this lock: never the last reference
       }
       done_.notify_all();
     }
@@ -209,7 +228,6 @@ class Runner {
         }
         run.inputs.at(pos) = source->outputs.at(k);
       }
-      run.reads.clear();  // the earlier runs may go now
       std::vector<ffi::AnyView> args(run.inputs.begin(), run.inputs.end());
       ffi::Any result;
       run.program->fn.CallPacked(args.data(), static_cast<int32_t>(args.size()), &result);
@@ -221,12 +239,15 @@ class Runner {
     } catch (const std::exception& e) {
       run.error = std::string("Error: ") + e.what();
     }
-    if (!run.error.empty()) run.outputs.clear();
-    run.inputs.clear();
-    run.reads.clear();
+    // The inputs, outputs and earlier runs (reads) stay until the run is released, so that
+    // they are let go on the thread that calls release. An input from Python (a torch tensor)
+    // gives its last reference back through torch's DLPack deleter, which takes the GIL: done
+    // here, at LeNet-5 batch 1 that was ~9 waits for the GIL a step on this thread, each
+    // a hand-over the tracing thread paid for too.
     run.end = now();
   }
 
+  static inline Runner* current_ = nullptr;
   std::mutex mutex_;
   std::condition_variable wake_, done_;
   std::deque<std::shared_ptr<Run>> queue_;

@@ -172,3 +172,37 @@ def test_cpu_programs_run_on_the_native_runner(dev):
     assert launch._in_flight[-1].ticket is not None  # on the runner, not collected yet
     torch.testing.assert_close(w.cpu(), torch.full((4,), 2.0))
     assert launch._in_flight[-1].ticket is None  # reading w collected it
+
+
+def test_a_forked_child_runs_programs_of_its_own(dev):
+    """The parent's runner thread does not exist in a forked child: the child gets a runner of its
+    own (csrc/runner.cc forgets the parent's at fork), and both go on training."""
+    w = torch.ones(3).to(dev)
+    w.add_(1)
+    lm.mark_step()
+    lm.wait_device_ops()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report its result through the pipe, and never return into pytest
+        code = 1
+        try:
+            w.mul_(3)
+            lm.mark_step()
+            os.write(write, repr(w.cpu().tolist()).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write)
+    deadline = time.monotonic() + 120
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child hung")
+    with os.fdopen(read) as pipe:
+        got = pipe.read()
+    assert os.waitstatus_to_exitcode(done[1]) == 0 and got == "[6.0, 6.0, 6.0]", got
+    w.mul_(5)
+    lm.mark_step()
+    torch.testing.assert_close(w.cpu(), torch.full((3,), 10.0))
