@@ -206,3 +206,31 @@ def test_a_forked_child_runs_programs_of_its_own(dev):
     w.mul_(5)
     lm.mark_step()
     torch.testing.assert_close(w.cpu(), torch.full((3,), 10.0))
+
+
+def test_the_runner_lets_go_of_python_inputs_on_the_collecting_thread(dev):
+    """A torch tensor handed to a native run goes back through torch's DLPack deleter, which takes
+    the GIL: it must die on the thread that collects the run, not on the runner thread (which then
+    waited for the GIL several times a step)."""
+    import gc
+    import weakref
+
+    import tvm_ffi
+
+    from ratex import config
+
+    if not config.NATIVE_RUNNER or tvm_ffi.get_global_func("ratex.runner.prepare", allow_missing=True) is None:
+        pytest.skip("the native runner is off or not built")
+    x = torch.randn(16).to(dev)
+    data = x._device_data()
+    assert type(data) is torch.Tensor  # device data from Python
+    died_on = []
+    weakref.finalize(data, lambda: died_on.append(threading.get_ident()))
+    w = x * 2
+    del x, data
+    lm.mark_step()  # the run now holds the last reference
+    time.sleep(0.3)  # it is over, not collected
+    assert died_on == []
+    torch.testing.assert_close(w.cpu().shape, torch.Size([16]))
+    gc.collect()
+    assert died_on == [threading.get_ident()]
