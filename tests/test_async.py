@@ -221,7 +221,8 @@ def test_the_runner_lets_go_of_python_inputs_on_the_collecting_thread(dev):
 
     if not config.NATIVE_RUNNER or tvm_ffi.get_global_func("ratex.runner.prepare", allow_missing=True) is None:
         pytest.skip("the native runner is off or not built")
-    x = torch.randn(16).to(dev)
+    cpu = torch.randn(16)
+    x = cpu.to(dev)
     data = x._device_data()
     assert type(data) is torch.Tensor  # device data from Python
     died_on = []
@@ -231,6 +232,6 @@ def test_the_runner_lets_go_of_python_inputs_on_the_collecting_thread(dev):
     lm.mark_step()  # the run now holds the last reference
     time.sleep(0.3)  # it is over, not collected
     assert died_on == []
-    torch.testing.assert_close(w.cpu().shape, torch.Size([16]))
+    torch.testing.assert_close(w.cpu(), cpu * 2)
     gc.collect()
     assert died_on == [threading.get_ident()]
