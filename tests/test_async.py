@@ -175,12 +175,12 @@ def test_cpu_programs_run_on_the_native_runner(dev):
 
 
 def test_a_forked_child_runs_programs_of_its_own(dev):
-    """The parent's runner thread does not exist in a forked child: the child gets a runner of its
-    own (csrc/runner.cc forgets the parent's at fork), and both go on training."""
+    """The parent's worker thread (the native runner, or the Python one) does not exist in a forked
+    child: the child starts one of its own, and both go on training. A program still running at
+    the fork is waited for first: the child could never collect it."""
     w = torch.ones(3).to(dev)
     w.add_(1)
-    lm.mark_step()
-    lm.wait_device_ops()
+    lm.mark_step()  # in flight at the fork
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: report its result through the pipe, and never return into pytest

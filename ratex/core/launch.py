@@ -256,6 +256,18 @@ def drain():
         _queue.join()
 
 
+def _start_afresh_in_child():
+    """A forked child has none of the parent's threads: it starts a Python worker of its own
+    (csrc/runner.cc makes a native runner of its own the same way)."""
+    global _worker, _queue
+    _worker = None
+    _queue = queue.Queue()
+
+
+# Nothing is in flight across a fork: a child could never collect the parent's runs.
+os.register_at_fork(before=drain, after_in_child=_start_afresh_in_child)
+
+
 @atexit.register
 def _finish_at_exit():
     # A program still running while the interpreter shuts down TVM's runtime under
