@@ -30,6 +30,22 @@ def test_bench_runs_a_cell_and_prints_its_table():
     assert all(float(row[2]) > 0 for row in rows[:2]), out.stdout
 
 
+def test_step_phases_prints_each_modes_phases():
+    out = subprocess.run(
+        [sys.executable, os.path.join(SCRIPTS, "step_phases.py"), "lenet-b1", "--modes", "eager,script",
+         "--steps", "3", "--warmup", "2"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = {line.split()[0]: line.split() for line in out.stdout.splitlines() if line.split()[:1] in (["eager"], ["script"])}
+    assert set(rows) == {"eager", "script"}, out.stdout
+    for row in rows.values():  # seven phases, their total, wall ms; each phase took some CPU time
+        assert len(row) >= 10 and all(float(v) >= 0 for v in row[1:10]) and float(row[8]) > 0, out.stdout
+    bad = subprocess.run([sys.executable, os.path.join(SCRIPTS, "step_phases.py"), "lenet-b1", "--modes", "jit"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "unknown mode(s) jit" in bad.stderr
+
+
 def test_tune_times_a_configuration_through_bench():
     args = argparse.Namespace(timeout=300, verbose=True, threads=1)
     result = tune._cell("lenet-b1", "eager", args, tune._env(args), steps=4, warmup=1)

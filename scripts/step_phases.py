@@ -1,0 +1,152 @@
+"""Where a training step's time goes on the tracing thread, phase by phase, against eager.
+
+    python scripts/step_phases.py lenet-b1 [--modes eager,script,lazy] [--steps 400]
+
+Each mode trains one bench model (scripts/bench_models.py) in a fresh process, one torch/TVM
+thread, with ENABLE_PARAM_ALIASING=true and no disk cache, as scripts/bench.py does. Printed
+per mode, after warm-up steps:
+- the tracing thread's CPU time per step in each phase (µs): moving the batch to the device,
+  zero_grad, forward, loss, backward, the optimizer step, mark_step;
+- wall time per step (ms), which exceeds the CPU total where the thread waits;
+- voluntary context switches per step of each thread that switched (Linux /proc; the tracing
+  thread is `python`, the native runner `ratex-runner`). A tracing thread that switches is
+  waiting for something (the GIL, a program); the runner switches once per look at its queue
+  (every ~0.1-0.2 ms while idle, for 20 ms after a run) and once per wait for the GIL: counting
+  these is how the runner's GIL waits were found.
+
+bench.py says how fast; this says where the time goes when ratex is the slower one.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+PHASES = ("to", "zero", "fwd", "loss", "bwd", "opt", "mark")
+MODES = ("eager", "script", "lazy")
+
+
+def _switches():
+    """{thread id: (name, voluntary switches)} of this process's threads (empty off Linux)."""
+    out = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+            with open(f"/proc/self/task/{tid}/status") as f:
+                count = next(int(line.split(":")[1]) for line in f if line.startswith("voluntary_ctxt_switches"))
+        except (OSError, StopIteration):
+            continue
+        out[tid] = (name, count)
+    return out
+
+
+def measure(model_name: str, mode: str, steps: int, warmup: int) -> dict:
+    """Train `model_name` under `mode` in this process; return the per-step figures."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import torch
+
+    from bench_models import MODELS, POOL
+
+    torch.set_num_threads(1)
+    spec = MODELS[model_name]
+    torch.manual_seed(0)
+    batches = spec.batches(1)
+    model = spec.build()
+    if mode == "eager":
+        dev = torch.device("cpu")
+        mark = wait = lambda: None  # noqa: E731
+    else:
+        import ratex
+        import ratex.lazy_tensor_core.core.lazy_model as lm
+
+        dev = lm.lazy_device()
+        mark, wait = lm.mark_step, lm.wait_device_ops
+        if mode == "script":
+            model = ratex.jit.script(model)
+    model.to(dev)
+    model.train()
+    opt = spec.optimizer(model.parameters())
+    clock = time.thread_time
+    totals = dict.fromkeys(PHASES, 0.0)
+    for i in range(warmup + steps):
+        if i == warmup:
+            wait()
+            totals = dict.fromkeys(PHASES, 0.0)
+            before, start = _switches(), time.perf_counter()
+        x, y = batches[i % POOL]
+        t0 = clock()
+        x, y = x.to(dev), y.to(dev)
+        t1 = clock()
+        opt.zero_grad()
+        t2 = clock()
+        out = model(x)
+        t3 = clock()
+        loss = spec.loss(out, y)
+        t4 = clock()
+        loss.backward()
+        t5 = clock()
+        opt.step()
+        t6 = clock()
+        mark()
+        t7 = clock()
+        for name, a, b in zip(PHASES, (t0, t1, t2, t3, t4, t5, t6), (t1, t2, t3, t4, t5, t6, t7)):
+            totals[name] += b - a
+    wait()
+    wall = time.perf_counter() - start
+    after = _switches()
+    switches = {f"{after[t][0]}:{t}": (after[t][1] - before[t][1]) / steps
+                for t in after if t in before and after[t][1] > before[t][1]}
+    return {"us": {k: v / steps * 1e6 for k, v in totals.items()}, "wall_ms": wall / steps * 1e3,
+            "switches": switches}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("model", help="a model of scripts/bench_models.py, e.g. lenet-b1")
+    parser.add_argument("--modes", default="eager,script,lazy", help=f"comma-separated: {','.join(MODES)}")
+    parser.add_argument("--steps", type=int, default=400, help="measured steps per mode")
+    parser.add_argument("--warmup", type=int, default=20, help="steps before measuring (compiles happen here)")
+    parser.add_argument("--child", help=argparse.SUPPRESS)  # one mode, in this process; JSON out
+    args = parser.parse_args(argv)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_models import MODELS
+
+    if args.model not in MODELS:
+        parser.error(f"unknown model {args.model!r}; choose from {', '.join(MODELS)}")
+    modes = args.modes.split(",")
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        parser.error(f"unknown mode(s) {', '.join(bad)}; choose from {', '.join(MODES)}")
+    if args.steps < 1 or args.warmup < 1:
+        parser.error(f"--steps and --warmup must be at least 1 (got {args.steps}, {args.warmup})")
+    if args.child:
+        print(json.dumps(measure(args.model, args.child, args.steps, args.warmup)))
+        return
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TVM_NUM_THREADS="1",
+               RATEX_CACHE_DIR="", ENABLE_PARAM_ALIASING="true")
+    header = f"{'mode':>6}  " + "  ".join(f"{p:>6}" for p in PHASES) + f"  {'total':>6}  {'wall ms':>7}  switches/step"
+    print(f"{args.model}: tracing-thread CPU µs per step by phase, {args.steps} steps after {args.warmup}")
+    print(header)
+    print("-" * len(header))
+    for mode in modes:
+        cmd = [sys.executable, os.path.abspath(__file__), args.model, "--child", mode,
+               "--steps", str(args.steps), "--warmup", str(args.warmup)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        if proc.returncode != 0:
+            print(f"{mode:>6}  failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}")
+            continue
+        r = json.loads(proc.stdout.strip().splitlines()[-1])
+        us = r["us"]
+        switches = ", ".join(f"{name.split(':')[0]} {n:.1f}" for name, n in sorted(r["switches"].items())) or "-"
+        print(f"{mode:>6}  " + "  ".join(f"{us[p]:6.0f}" for p in PHASES)
+              + f"  {sum(us.values()):6.0f}  {r['wall_ms']:7.3f}  {switches}")
+
+
+if __name__ == "__main__":
+    main()
