@@ -3,9 +3,10 @@
 On CPU, device data is a contiguous torch CPU tensor that TVM reads and
 writes through DLPack without copies, or the tvm-ffi tensor a program run on
 the native runner returned (most outputs only ever go back into the next
-program, so only those that are read become torch tensors, with no copy). On GPU it is a `tvm.runtime.Tensor` in
-CUDA memory (allocated by PyTorch's CUDA allocator where torch has CUDA, and
-shared with TVM by DLPack). Nothing outside this module needs to know which.
+program, so only those that are read become torch tensors, with no copy). On
+GPU it is a `tvm.runtime.Tensor` in CUDA memory (allocated by PyTorch's CUDA
+allocator where torch has CUDA, and shared with TVM by DLPack). Nothing
+outside this module needs to know which.
 """
 import functools
 
