@@ -32,7 +32,6 @@
 #include <tvm/ffi/function.h>
 
 #include <pthread.h>
-#include <unistd.h>
 
 #include <chrono>
 #include <condition_variable>

@@ -47,6 +47,11 @@ def out_call(name, args, attrs: dict, ty):
     return relax.op.call_dps_packed(f"ratex.lib.{name}_out", relax.Tuple([*args, _attrs(**attrs)]), ty)
 
 
+def packed_call(name, args, attrs: dict, ty):
+    """`ratex.lib.<name>` on `args` with `attrs` (JSON) last; the kernel returns a new tensor."""
+    return relax.op.call_pure_packed(f"ratex.lib.{name}", *args, _attrs(**attrs), ty_args=ty)
+
+
 def aten_call(op: str, tensors, template: list, kwargs: dict, ty):
     """ATen `op` ("aten.<op>.<overload>") run by `ratex.lib.aten_out`: `template` lists its
     arguments, tensors as {"tensor": position in `tensors`}, the others as given."""

@@ -82,6 +82,11 @@ _COMPARE = {
 _NARROW = {"bool", "int8", "uint8", "int16"}
 
 
+def _as(bb, x, dtype: str):
+    """`x` computed in `dtype` (a cast only where it is another)."""
+    return x if str(x.ty.dtype) == dtype else bb.emit(relax.op.astype(x, dtype))
+
+
 def _binary(imp, node):
     from ..dtypes import to_tvm
 
@@ -104,13 +109,7 @@ def _binary(imp, node):
         name, node_args = "mul.Tensor", (node.args[0], math.copysign(math.inf, node.args[1]))
     else:
         node_args = node.args
-    operands = []
-    for a in node_args:
-        if hasattr(a, "meta"):
-            x = imp.env[a]
-            operands.append(x if str(x.ty.dtype) == compute else bb.emit(relax.op.astype(x, compute)))
-        else:
-            operands.append(relax.const(a, compute))
+    operands = [_as(bb, imp.env[a], compute) if hasattr(a, "meta") else relax.const(a, compute) for a in node_args]
     if alpha != 1:
         operands[1] = bb.emit(relax.op.multiply(operands[1], relax.const(alpha, compute)))
     out = bb.emit({**_ARITH, **_COMPARE}[name](*operands))
@@ -129,11 +128,7 @@ def addcmul(imp, node):
     out_dtype = to_tvm(node.meta["val"].dtype)
     compute = "int32" if out_dtype in _NARROW else out_dtype
     bb = imp.block_builder
-    operands = []
-    for a in node.args[:3]:
-        x = imp.env[a]
-        operands.append(x if str(x.ty.dtype) == compute else bb.emit(relax.op.astype(x, compute)))
-    x, t1, t2 = operands
+    x, t1, t2 = (_as(bb, imp.env[a], compute) for a in node.args[:3])
     prod = bb.emit(relax.op.multiply(t1, t2))
     value = node.kwargs.get("value", 1)
     if value != 1:

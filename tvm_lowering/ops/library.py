@@ -11,15 +11,13 @@ through zero-copy DLPack). Transposes feeding a matmul are folded into the call
 as flags, so no transposed copy is made. Without the flag, each rule defers to
 the rule it overrides.
 """
-import json
 import math
 
 import torch
-import tvm
 from tvm import relax
 
 from ..dtypes import to_tvm
-from ..library_dispatch import aten_call, out_call, worth_library
+from ..library_dispatch import aten_call, out_call, packed_call, worth_library
 from . import RULES, rule
 from .nn import arg, out_meta
 
@@ -60,8 +58,7 @@ def _batched_operand(imp, x):
 
 
 def _call(imp, name, args, attrs, ty):
-    fn = relax.op.call_pure_packed(f"ratex.lib.{name}", *args, tvm.ir.StringImm(json.dumps(attrs)), ty_args=ty)
-    return imp.block_builder.emit(fn)
+    return imp.block_builder.emit(packed_call(name, args, attrs, ty))
 
 
 def _call_out(imp, name, args, attrs, ty):
