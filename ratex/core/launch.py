@@ -146,7 +146,11 @@ class Job:
         """Block until the run is over (and collected)."""
         if self.ticket is not None:
             self.collect()
-        self.done.wait()
+        # In slices, as the native wait: after some earlier work (test_rules before test_async),
+        # a Ctrl-C reached a thread blocked in one long wait only once the program ended --
+        # likely delivered to another thread; a slice brings this one back to Python.
+        while not self.done.wait(_WAIT_SLICE):
+            pass
 
     def forget_rollback(self, donated: list):
         """The buffers of these old values (node, index) are written in place: they can't be restored.
