@@ -100,3 +100,54 @@ def test_inplace_alpha_is_one_node_with_the_lr_an_input(dev):
         assert metrics.counter_value("ratex::addcmul.default") == 2
         assert not metrics.counter_value("ratex::mul.Tensor")
         assert bool(metrics.counter_value("UncachedCompile")) == (step == 0), "a new lr recompiled"
+
+
+INPLACE_CASES = {  # name: (target maker, op); each runs on lazy and CPU copies of the same data
+    "mul_ float": (lambda x, y: x, lambda t, o: t.mul_(0.9)),
+    "mul_ zero keeps nan and inf": (lambda x, y: x.masked_fill(x > 1, float("inf")).masked_fill(x < -1, float("nan")),
+                                    lambda t, o: t.mul_(0.0)),
+    "mul_ one": (lambda x, y: x, lambda t, o: t.mul_(1.0)),
+    "mul_ int": (lambda x, y: x, lambda t, o: t.mul_(3)),
+    "add_ tensor": (lambda x, y: x, lambda t, o: t.add_(o)),
+    "add_ int alpha": (lambda x, y: x, lambda t, o: t.add_(o, alpha=2)),
+    "add_ float alpha": (lambda x, y: x, lambda t, o: t.add_(o, alpha=-0.3)),
+    "add_ float": (lambda x, y: x, lambda t, o: t.add_(0.25)),
+    "sub_ float alpha": (lambda x, y: x, lambda t, o: t.sub_(o, alpha=0.7)),
+    "sub_ float": (lambda x, y: x, lambda t, o: t.sub_(1.5)),
+    "div_ tensor": (lambda x, y: x, lambda t, o: t.div_(o.abs() + 1)),
+    "div_ float": (lambda x, y: x, lambda t, o: t.div_(3.5)),
+    "add_ broadcast row": (lambda x, y: x, lambda t, o: t.add_(o[0], alpha=0.5)),
+    "add_ double other": (lambda x, y: x, lambda t, o: t.add_(o.double(), alpha=0.5)),
+    "mul_ into a row view": (lambda x, y: x, lambda t, o: t[1].mul_(2.5)),
+    "add_ into a transposed view": (lambda x, y: x, lambda t, o: t.t().add_(o.t(), alpha=-0.1)),
+    "mul_ double": (lambda x, y: x.double(), lambda t, o: t.mul_(0.3)),
+    "add_ int target": (lambda x, y: (x * 10).long(), lambda t, o: t.add_((o * 10).long(), alpha=3)),
+}
+
+
+@pytest.mark.parametrize("name", INPLACE_CASES)
+def test_inplace_arith_matches_cpu(dev, name):
+    """The in-place arithmetic an optimizer does, on ratex's written-out path for same-meta float
+    operands and on every case that path leaves to the general one, writes what CPU writes."""
+    make, op = INPLACE_CASES[name]
+    g = torch.Generator().manual_seed(5)
+    x, y = make(torch.randn(3, 4, generator=g), None), torch.randn(3, 4, generator=g)
+    lazy_x, lazy_y = x.to(dev), y.to(dev)
+    with torch.no_grad():
+        op(x, y)
+        op(lazy_x, lazy_y)
+    lm.mark_step()
+    torch.testing.assert_close(lazy_x.cpu(), x, equal_nan=True)
+
+
+def test_inplace_arith_errors_match_cpu(dev):
+    """In-place ops PyTorch refuses are refused alike: a float result into an int tensor, a write
+    into an expanded tensor; the target keeps its value."""
+    x = torch.arange(6).view(2, 3)
+    lazy_x = x.to(dev)
+    with pytest.raises(RuntimeError, match="can't be cast"):
+        lazy_x.mul_(0.5)
+    e = torch.randn(1, 3).to(dev).expand(2, 3)
+    with pytest.raises(RuntimeError, match="single memory location"):
+        e.mul_(0.5)
+    torch.testing.assert_close(lazy_x.cpu(), x)

@@ -739,6 +739,69 @@ for _f in _INPLACE_ARITH:
     HANDLERS[_f] = _inplace_arith
 
 
+# The commonest of them -- SGD's buf.mul_(momentum), buf.add_(grad), p.add_(buf, alpha=-lr) --
+# on same-meta float operands, written out: one node whose meta is the target's, no recipe,
+# no shape inference (an elementwise op of equal shapes and dtypes keeps them). ~2 us less
+# per op than the path above, which gets every call this one declines.
+_SIMPLE_INPLACE = {id(f): (fop, sign) for f, fop, sign in (
+    (aten.add_.Tensor, aten.add.Tensor, 1),
+    (aten.sub_.Tensor, aten.sub.Tensor, -1),
+    (aten.mul_.Tensor, aten.mul.Tensor, 0),  # sign 0: no alpha
+    (aten.div_.Tensor, aten.div.Tensor, 0),
+)}
+
+
+def _simple_inplace(func, args, kwargs):
+    target = args[0]
+    if len(args) == 2 and type(target) is tensor.LazyTensor and not sync.unlowerable:
+        value = _simple_inplace_value(func, target, args[1], kwargs)
+        if value is not None:
+            target._write(value)
+            return target
+    return _inplace_arith(func, args, kwargs)
+
+
+def _simple_inplace_value(func, target, other, kwargs):
+    """The IR value of `target <op>= other`, or None where `_inplace_arith` must decide."""
+    shape, strides, dtype = target._sig
+    if not dtype.is_floating_point or 0 in strides:
+        return None
+    fop, sign = _SIMPLE_INPLACE[id(func)]
+    alpha = 1
+    if kwargs:
+        if not sign or len(kwargs) != 1 or "alpha" not in kwargs:
+            return None
+        alpha = kwargs["alpha"]
+    t = type(other)
+    if t is tensor.LazyTensor:
+        o_shape, _, o_dtype = other._sig
+        if o_shape != shape or o_dtype != dtype:
+            return None
+        if alpha == 1:
+            op, spec = fop, _BINARY_SPEC
+            inputs = (target._value(), other._value())
+        elif type(alpha) is float and _liftable(alpha):  # self + other * alpha, the lr an input
+            op, spec = aten.addcmul.default, _TERNARY_SPEC
+            inputs = (target._value(), other._value(), _scalar_input(sign * alpha, dtype).value)
+        else:
+            return None
+    elif t is float and alpha == 1 and _liftable(other):  # the scalar an input, as _lift_scalar does
+        op, spec = fop, _BINARY_SPEC
+        inputs = (target._value(), _scalar_input(other, dtype).value)
+    else:
+        return None
+    counter = _lowered_counter(op)
+    if counter is None:
+        return None
+    node, idx = inputs[0]
+    metrics.counter_inc(counter)
+    return (Node(op, spec, inputs, (node.metas[idx],)), 0)
+
+
+for _f in (aten.add_.Tensor, aten.sub_.Tensor, aten.mul_.Tensor, aten.div_.Tensor):
+    HANDLERS[_f] = _simple_inplace
+
+
 def _type_name(dtype) -> str:
     """PyTorch's ScalarType name of a dtype, as its error messages spell it (torch.int64: Long)."""
     return _TYPE_NAMES.get(dtype, str(dtype).replace("torch.", ""))
