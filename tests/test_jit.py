@@ -243,6 +243,35 @@ def test_tuple_outputs_input_grad_and_no_grad(dev):
     _close(b.cpu(), rb.detach())
 
 
+def test_a_dispatch_mode_sees_the_script_ops_and_training_matches_cpu(dev):
+    """Script calls skip the dispatcher only where nothing could see them: under a
+    TorchDispatchMode they go through it, the mode sees ratex::script_fwd and script_bwd,
+    and the gradients are CPU's."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.name())
+            return func(*args, **(kwargs or {}))
+
+    model, ref = _pair(TwoHeads)
+    model = jit.script(model).to(dev)
+    x = torch.randn(4, 6)
+    model(x.to(dev))  # the first call traces and converts, outside the mode
+    with Seen() as mode:
+        a, b = model(x.to(dev))
+        (a.sum() + b.sum()).backward()
+    ra, rb = ref(x)
+    (ra.sum() + rb.sum()).backward()
+    assert "ratex::script_fwd" in mode.names and "ratex::script_bwd" in mode.names
+    for p, q in zip(model.parameters(), ref.parameters()):
+        _close(p.grad.cpu(), q.grad)
+
+
 def test_wrapper_behaves_like_the_model(dev):
     orig = LeNet5()
     model = jit.script(orig)
