@@ -236,12 +236,15 @@ def is_lazy(t) -> bool:
 
 
 # ---- the Lazy dispatch key: ops that create lazy tensors from nothing lazy --------
+_MOVE_ONLY = frozenset(("device", "pin_memory", "non_blocking", "layout"))
+
+
 def _lazy_key_kernel(op, *args, **kwargs):
     """Factories with device='lazy' and `cpu.to('lazy')`: run on CPU, keep the result as data."""
     if op is aten._to_copy.default:
         src = args[0]
-        kw = {k: v for k, v in kwargs.items() if k not in ("device", "pin_memory", "non_blocking", "layout")}
-        out = aten._to_copy.default(src, **kw) if kw else src
+        kw = {k: v for k, v in kwargs.items() if k not in _MOVE_ONLY and not (k == "dtype" and v == src.dtype)}
+        out = aten._to_copy.default(src, **kw) if kw else src  # x.to('lazy') comes with its own dtype: no cast
         return LazyTensor.from_cpu(out, adopt=out is not src)
     kwargs = {k: (torch.device("cpu") if k == "device" else v) for k, v in kwargs.items()}
     out = op(*args, **kwargs)
