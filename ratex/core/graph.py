@@ -13,12 +13,14 @@ from .ir import fill
 
 
 class Graph:
-    """A cut: `leaves` are input values, `nodes` op nodes in order, `roots` outputs."""
+    """A cut: `leaves` are input values, `nodes` op nodes in order, `roots` outputs;
+    `leaf_pos` maps each leaf value to its position."""
 
-    __slots__ = ("leaves", "nodes", "roots", "key")
+    __slots__ = ("leaves", "nodes", "roots", "key", "leaf_pos")
 
-    def __init__(self, leaves, nodes, roots, key):
+    def __init__(self, leaves, nodes, roots, key, leaf_pos=None):
         self.leaves, self.nodes, self.roots, self.key = leaves, nodes, roots, key
+        self.leaf_pos = {value: k for k, value in enumerate(leaves)} if leaf_pos is None else leaf_pos
 
 
 def cut(roots: list) -> Graph:
@@ -70,7 +72,7 @@ def cut(roots: list) -> Graph:
             entries.append((node.key, refs))
     root_refs = tuple([(node_pos[v[0]], v[1]) if v[0].results[v[1]] is None else leaf_ref(v) for v in roots])
     leaf_metas = tuple([v[0].metas[v[1]] for v in leaves])
-    return Graph(leaves, nodes, list(roots), (leaf_metas, tuple(entries), root_refs))
+    return Graph(leaves, nodes, list(roots), (leaf_metas, tuple(entries), root_refs), leaf_pos)
 
 
 def _meta_tensor(meta):

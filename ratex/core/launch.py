@@ -46,14 +46,16 @@ class ExecutionError(RuntimeError):
 class Job:
     """One launched program run: inputs in, outputs (or an error) out."""
 
-    __slots__ = ("program", "inputs", "targets", "pendings", "outs", "error", "done", "restore", "label", "ticket")
+    __slots__ = ("program", "inputs", "targets", "pendings", "outs", "error", "done", "restore", "lost", "label",
+                 "ticket")
 
     def __init__(self, program, inputs, targets, label):
         self.program, self.inputs, self.targets, self.label = program, inputs, targets, label
         self.outs = self.error = self.ticket = None  # ticket: the native runner's, until collected
         self.restore = _restore_ctx[0]
+        self.lost = ()  # (id(node), index) of old values whose buffers the run writes in place
         self.pendings = [Pending(self, k) for k in range(len(targets))]
-        self.done = threading.Event()
+        self.done = _Done()
 
     def run(self):
         """Run the program here (the Python worker, or inline)."""
@@ -157,18 +159,51 @@ class Job:
 
         Should the run fail, the tensors that held them keep the failed value,
         so reading them raises the error again instead of returning a buffer
-        the program may have half overwritten.
+        the program may have half overwritten (see `rollback`).
         """
-        lost = {(id(node), idx) for node, idx in donated}
-        self.restore = [
-            (st, None if prev is not None and (id(prev[0]), prev[1]) in lost else prev) for st, prev in self.restore
-        ]
+        self.lost = {(id(node), idx) for node, idx in donated}
+
+    def rollback(self):
+        """Put the storages this failed run would have written back to their previous values."""
+        lost = self.lost
+        for storage, previous in self.restore or ():
+            if previous is None or (id(previous[0]), previous[1]) in lost:
+                continue
+            if storage.value[0].results[storage.value[1]].__class__ is Pending:
+                storage.value = previous
 
     def result(self, k):
         self.wait()
         if self.error is not None:
             raise ExecutionError(f"ratex: executing {self.label} failed: {self.error}") from self.error
         return self.outs[k]
+
+
+_done_changed = threading.Condition()  # Job completions, for the rare thread that waits on one
+
+
+class _Done:
+    """A job's completion flag: threading.Event's interface, without making a Condition and
+    a Lock for every job (a native run is collected on the thread that then reads it)."""
+
+    __slots__ = ("flag",)
+
+    def __init__(self):
+        self.flag = False
+
+    def is_set(self) -> bool:
+        return self.flag
+
+    def set(self):
+        with _done_changed:
+            self.flag = True
+            _done_changed.notify_all()
+
+    def wait(self, timeout=None) -> bool:
+        if self.flag:
+            return True
+        with _done_changed:
+            return _done_changed.wait_for(self.is_set, timeout)
 
 
 class Pending:
@@ -288,9 +323,7 @@ def raise_failures():
     jobs = list(_failed)
     _failed.clear()
     for job in jobs:
-        for storage, previous in job.restore or ():
-            if storage.value[0].results[storage.value[1]].__class__ is Pending and previous is not None:
-                storage.value = previous
+        job.rollback()
     job = jobs[0]
     raise ExecutionError(
         f"ratex: executing {job.label} failed: {type(job.error).__name__}: {job.error}. "

@@ -83,7 +83,7 @@ def donations(graph, overwrites) -> tuple:
     every output its own buffer (Program.run), so no other live tensor reads the
     leaf's buffer once the tensor it belonged to has moved on.
     """
-    leaf_at = {value: k for k, value in enumerate(graph.leaves)}  # (node, index): nodes hash by identity
+    leaf_at = graph.leaf_pos  # (node, index) -> position: nodes hash by identity
     root_at = {value: k for k, value in enumerate(graph.roots)}
     shared = _shared_leaves(graph.leaves)
     pairs, taken = [], set()
@@ -169,7 +169,11 @@ def _execute(values: list, overwrites=()):
         if donate:
             job.forget_rollback([graph.leaves[i] for i, _ in donate])
         for (node, idx), pending in zip(roots, job.pendings):
-            node.set_result(idx, pending)
+            if len(node.results) == 1:  # Node.set_result, written out for the usual case
+                node.results[0] = pending
+                node.inputs = ()
+            else:
+                node.set_result(idx, pending)
         launch.launch(job)
         return
 
