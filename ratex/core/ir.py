@@ -67,9 +67,15 @@ class Node:
 
     @classmethod
     def leaf(cls, data, meta: Meta) -> "Node":
-        """Return a leaf node holding device `data` of the given meta."""
-        node = cls(None, None, (), (meta,))
-        node.results[0] = data
+        """Return a leaf node holding device `data` of the given meta (what __init__ makes of
+        an op-less node, set directly: every sync makes one per written tensor)."""
+        node = _new_object(cls)
+        node.op = node.spec = node.origin = None
+        node.multi = False
+        node.inputs = ()
+        node.metas = metas = (meta,)
+        node.key = (None, None, metas)
+        node.results = [data]
         return node
 
     def is_computed(self, index: int) -> bool:
@@ -87,6 +93,9 @@ class Node:
         if self.op is None:
             return f"Data({self.metas[0]})"
         return f"{self.op}({self.spec})"
+
+
+_new_object = object.__new__
 
 
 def _op_key(op) -> str:

@@ -4,6 +4,7 @@ import contextlib
 import time
 
 _counters = collections.Counter()
+counts = _counters  # `metrics.counts[name] += 1`: counter_inc without the call, for per-op hot paths
 _timers = collections.defaultdict(list)
 # Callables fn(name, start, end) (time.perf_counter() seconds) told about each timed block
 # and span; the profiler listens here. Empty unless profiling, so timing costs nothing more.

@@ -180,7 +180,7 @@ def _new_node(func, spec, values, out, counter):
     node = Node(func, spec, tuple(values), out.metas, multi=out.kind != "tensor")
     if sync.unlowerable and node.key in sync.unlowerable:
         return None
-    metrics.counter_inc(counter)
+    metrics.counts[counter] += 1
     return node
 
 
@@ -505,7 +505,7 @@ def _identity_view(func, args, kwargs):
     if type(base) is not tensor.LazyTensor:
         return eager(func, args, kwargs)
     shape_, stride, dtype = base._sig
-    metrics.counter_inc(_view_counter(func))
+    metrics.counts[_view_counter(func)] += 1
     return tensor.LazyTensor(base._st, base._chain, ir.Meta(shape_, dtype), stride, base.storage_offset(),
                              base._value() if base._chain else None)
 
@@ -794,7 +794,7 @@ def _simple_inplace_value(func, target, other, kwargs):
     if counter is None:
         return None
     node, idx = inputs[0]
-    metrics.counter_inc(counter)
+    metrics.counts[counter] += 1
     return (Node(op, spec, inputs, (node.metas[idx],)), 0)
 
 

@@ -99,7 +99,7 @@ class LazyTensor(torch.Tensor):
         t._chain = chain
         t._cache = (storage.version, value)
         t._sig = (meta.shape, stride, meta.dtype)  # shape inference's view of this tensor
-        metrics.counter_inc("CreateLazyTensor")
+        _counts["CreateLazyTensor"] += 1
         return t
 
     # ---- construction -------------------------------------------------
@@ -221,6 +221,7 @@ class LazyTensor(torch.Tensor):
 
 
 _make_wrapper = torch.Tensor._make_wrapper_subclass
+_counts = metrics.counts
 _get_data = torch._C.TensorBase.data.__get__
 _set_data = torch._C.TensorBase.data.__set__
 
