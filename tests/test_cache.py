@@ -179,3 +179,23 @@ def test_bad_size_limit_env():
     proc = subprocess.run([sys.executable, "-c", "import ratex"], cwd=ROOT,
                           env=dict(os.environ, RATEX_CACHE_SIZE_MB="lots"), capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "RATEX_CACHE_SIZE_MB" in proc.stderr
+
+
+def test_in_memory_cache_is_lru_and_its_last_hit_shortcut_forgets_nothing():
+    """CompileCache answers a repeated key from its last hit without hashing; puts, evictions and
+    clear still decide what it holds (keys are rebuilt each step: equal, never the same object)."""
+    from tvm_lowering import CompileCache
+
+    def key(n):
+        return ("aliasing", (tuple(range(n)), (("aten::add.Tensor", n),)), ())
+
+    cache = CompileCache(capacity=2)
+    cache.put(key(1), "p1")
+    cache.put(key(2), "p2")
+    assert cache.get(key(1)) == "p1" and cache.get(key(1)) == "p1"  # the second from the last hit
+    cache.put(key(3), "p3")  # evicts key 2, the least recently used
+    assert cache.get(key(2)) is None
+    assert cache.get(key(1)) == "p1" and cache.get(key(3)) == "p3"
+    assert cache.get(key(3)) == "p3" and len(cache) == 2
+    cache.clear()
+    assert cache.get(key(3)) is None and len(cache) == 0
