@@ -268,3 +268,23 @@ def test_clone_strides_follow_memory_format(dev, monkeypatch, aliased):
             torch.testing.assert_close(flat.cpu(), want)
             torch.testing.assert_close(kept.cpu(), x.cpu())
         want = flat
+
+
+def test_leaves_sharing_a_buffer_are_never_donated():
+    """A buffer two leaves of a graph hold -- the same data, or a finished run's Pending and its
+    result -- must not be written in place: sync._shared_leaves names exactly those leaves."""
+    from ratex.core import launch, sync
+    from ratex.core.ir import Meta, Node
+
+    meta = Meta((2,), torch.float32)
+    a, b, c = torch.zeros(2), torch.ones(2), torch.full((2,), 2.0)
+    done = launch.Pending(None, 0)
+    done.data = c  # a finished run's output, also held as data by another leaf
+    running = launch.Pending(None, 1)  # its run still going: no data yet
+
+    def leaves(*datas):
+        return [(Node.leaf(d, meta), 0) for d in datas]
+
+    assert sync._shared_leaves(leaves(a, b, running)) == set()
+    assert sync._shared_leaves(leaves(a, b, a)) == {0, 2}
+    assert sync._shared_leaves(leaves(a, done, b, c)) == {1, 3}

@@ -39,18 +39,16 @@ _COMPACT_MIN = 100_000
 _compact_at = _COMPACT_MIN
 
 
-def _is_pending(st) -> bool:
-    return st is not None and st.value[0].results[st.value[1]] is None
-
-
 def pending_storages() -> list:
     """Return the live storages whose value is not computed, in the order they became pending."""
     seen, out = set(), []  # storages hash by identity
     for ref in _pending:
         st = ref()
-        if _is_pending(st) and st not in seen:
-            seen.add(st)
-            out.append(st)
+        if st is not None and st not in seen:
+            node, idx = st.value  # once per write since the last sync: no calls
+            if node.results[idx] is None:
+                seen.add(st)
+                out.append(st)
     return out
 
 
@@ -104,10 +102,11 @@ def _shared_leaves(leaves) -> set:
     data first and the Pendings' results after makes this race-free (Job.run
     fills the Pending before the node).
     """
-    keys = []
-    for node, idx in leaves:
-        d = node.results[idx]
-        keys.append((id(d), id(d.data)) if type(d) is Pending and d.data is not None else (id(d),))
+    datas = [node.results[idx] for node, idx in leaves]
+    inner = [d.data for d in datas if type(d) is Pending and d.data is not None]
+    if not inner and len(set(map(id, datas))) == len(datas):  # the usual case, checked at C speed
+        return set()
+    keys = [(id(d), id(d.data)) if type(d) is Pending and d.data is not None else (id(d),) for d in datas]
     count = {}
     for ks in keys:
         for k in ks:
