@@ -18,9 +18,8 @@ class Graph:
 
     __slots__ = ("leaves", "nodes", "roots", "key", "leaf_pos")
 
-    def __init__(self, leaves, nodes, roots, key, leaf_pos=None):
-        self.leaves, self.nodes, self.roots, self.key = leaves, nodes, roots, key
-        self.leaf_pos = {value: k for k, value in enumerate(leaves)} if leaf_pos is None else leaf_pos
+    def __init__(self, leaves, nodes, roots, key, leaf_pos):
+        self.leaves, self.nodes, self.roots, self.key, self.leaf_pos = leaves, nodes, roots, key, leaf_pos
 
 
 def cut(roots: list) -> Graph:

@@ -658,9 +658,7 @@ def _mutating(func, args, kwargs):
 # dtype and the scalars are plain numbers, the result has the target's meta, so the functional
 # ops are recorded straight on IR values and written -- no result tensor, no nested dispatch.
 # Anything else (broadcasting, type promotion, an expanded target) takes `_mutating`.
-def _binary_inplace(fop):
-    sign = -1 if fop is aten.sub.Tensor else 1
-
+def _binary_inplace(fop, sign):
     def value(self, other, *, alpha=1):
         if alpha != 1:
             if type(other) is not tensor.LazyTensor:
@@ -680,21 +678,34 @@ def _no_alpha(fop):
     return value
 
 
+# in-place op -> (functional op, sign of its alpha; 0: it takes none)
+_ELEMENTWISE_INPLACE = {
+    aten.add_.Tensor: (aten.add.Tensor, 1),
+    aten.sub_.Tensor: (aten.sub.Tensor, -1),
+    aten.mul_.Tensor: (aten.mul.Tensor, 0),
+    aten.div_.Tensor: (aten.div.Tensor, 0),
+}
 _INPLACE_ARITH = {
-    aten.add_.Tensor: _binary_inplace(aten.add.Tensor),
-    aten.sub_.Tensor: _binary_inplace(aten.sub.Tensor),
-    aten.mul_.Tensor: _no_alpha(aten.mul.Tensor),
-    aten.div_.Tensor: _no_alpha(aten.div.Tensor),
+    **{f: _binary_inplace(fop, sign) if sign else _no_alpha(fop) for f, (fop, sign) in _ELEMENTWISE_INPLACE.items()},
     aten.addcmul_.default: functools.partial(_addcmul, last=_value_op),
     aten.addcdiv_.default: functools.partial(_addcdiv, last=_value_op),
     aten.lerp_.Scalar: functools.partial(_lerp_scalar, last=_value_op),
 }
 _INPLACE_RECIPES = {id(f): recipe for f, recipe in _INPLACE_ARITH.items()}  # by id, like _routes
+_SIMPLE_INPLACE = {id(f): entry for f, entry in _ELEMENTWISE_INPLACE.items()}
 
 
 def _inplace_arith(func, args, kwargs):
     target = args[0]
-    value = _inplace_value(func, args, kwargs) if _same_meta_operands(target, args, kwargs) else None
+    if not _same_meta_operands(target, args, kwargs):
+        return _mutating(func, args, kwargs)
+    simple = _SIMPLE_INPLACE.get(id(func))
+    if simple is not None and len(args) == 2 and not sync.unlowerable:
+        value = _simple_inplace_value(simple, target, args[1], kwargs)
+        if value is not None:
+            target._write(value)
+            return target
+    value = _inplace_value(func, args, kwargs)
     if value is None:
         return _mutating(func, args, kwargs)
     if type(value) is _V:
@@ -712,6 +723,42 @@ def _inplace_value(func, args, kwargs):
         return _INPLACE_RECIPES[id(func)](*args, **kwargs)
     except TypeError:  # an argument the recipe doesn't take: the general path reports it
         return None
+
+
+# The commonest of them -- SGD's buf.mul_(momentum), buf.add_(grad), p.add_(buf, alpha=-lr) --
+# written out: the same decisions as the recipes above (lifted scalars, addcmul for a float
+# alpha), recorded as one node with the target's meta and no shape inference (operands of
+# the target's shape and dtype, checked by _same_meta_operands, keep both): ~3 us less per op.
+# Anything else (an int scalar, 0 or 1, an int alpha) is left to the recipes.
+def _simple_inplace_value(simple, target, other, kwargs):
+    """The IR value of `target <op>= other`, or None where the recipe must decide."""
+    fop, sign = simple
+    alpha = 1
+    if kwargs:
+        if not sign or len(kwargs) != 1 or "alpha" not in kwargs:
+            return None
+        alpha = kwargs["alpha"]
+    t = type(other)
+    if t is tensor.LazyTensor:
+        if alpha == 1:
+            op, spec = fop, _BINARY_SPEC
+            inputs = (target._value(), other._value())
+        elif type(alpha) is float and _liftable(alpha):
+            op, spec = aten.addcmul.default, _TERNARY_SPEC
+            inputs = (target._value(), other._value(), _scalar_input(sign * alpha, target._sig[2]).value)
+        else:
+            return None
+    elif t is float and alpha == 1 and _liftable(other):
+        op, spec = fop, _BINARY_SPEC
+        inputs = (target._value(), _scalar_input(other, target._sig[2]).value)
+    else:
+        return None
+    counter = _lowered_counter(op)
+    if counter is None:
+        return None
+    node, idx = inputs[0]
+    metrics.counts[counter] += 1
+    return (Node(op, spec, inputs, (node.metas[idx],)), 0)
 
 
 def _same_meta_operands(target, args, kwargs) -> bool:
@@ -737,69 +784,6 @@ def _same_meta_operands(target, args, kwargs) -> bool:
 
 for _f in _INPLACE_ARITH:
     HANDLERS[_f] = _inplace_arith
-
-
-# The commonest of them -- SGD's buf.mul_(momentum), buf.add_(grad), p.add_(buf, alpha=-lr) --
-# on same-meta float operands, written out: one node whose meta is the target's, no recipe,
-# no shape inference (an elementwise op of equal shapes and dtypes keeps them). ~2 us less
-# per op than the path above, which gets every call this one declines.
-_SIMPLE_INPLACE = {id(f): (fop, sign) for f, fop, sign in (
-    (aten.add_.Tensor, aten.add.Tensor, 1),
-    (aten.sub_.Tensor, aten.sub.Tensor, -1),
-    (aten.mul_.Tensor, aten.mul.Tensor, 0),  # sign 0: no alpha
-    (aten.div_.Tensor, aten.div.Tensor, 0),
-)}
-
-
-def _simple_inplace(func, args, kwargs):
-    target = args[0]
-    if len(args) == 2 and type(target) is tensor.LazyTensor and not sync.unlowerable:
-        value = _simple_inplace_value(func, target, args[1], kwargs)
-        if value is not None:
-            target._write(value)
-            return target
-    return _inplace_arith(func, args, kwargs)
-
-
-def _simple_inplace_value(func, target, other, kwargs):
-    """The IR value of `target <op>= other`, or None where `_inplace_arith` must decide."""
-    shape, strides, dtype = target._sig
-    if not dtype.is_floating_point or 0 in strides:
-        return None
-    fop, sign = _SIMPLE_INPLACE[id(func)]
-    alpha = 1
-    if kwargs:
-        if not sign or len(kwargs) != 1 or "alpha" not in kwargs:
-            return None
-        alpha = kwargs["alpha"]
-    t = type(other)
-    if t is tensor.LazyTensor:
-        o_shape, _, o_dtype = other._sig
-        if o_shape != shape or o_dtype != dtype:
-            return None
-        if alpha == 1:
-            op, spec = fop, _BINARY_SPEC
-            inputs = (target._value(), other._value())
-        elif type(alpha) is float and _liftable(alpha):  # self + other * alpha, the lr an input
-            op, spec = aten.addcmul.default, _TERNARY_SPEC
-            inputs = (target._value(), other._value(), _scalar_input(sign * alpha, dtype).value)
-        else:
-            return None
-    elif t is float and alpha == 1 and _liftable(other):  # the scalar an input, as _lift_scalar does
-        op, spec = fop, _BINARY_SPEC
-        inputs = (target._value(), _scalar_input(other, dtype).value)
-    else:
-        return None
-    counter = _lowered_counter(op)
-    if counter is None:
-        return None
-    node, idx = inputs[0]
-    metrics.counts[counter] += 1
-    return (Node(op, spec, inputs, (node.metas[idx],)), 0)
-
-
-for _f in (aten.add_.Tensor, aten.sub_.Tensor, aten.mul_.Tensor, aten.div_.Tensor):
-    HANDLERS[_f] = _simple_inplace
 
 
 def _type_name(dtype) -> str:
