@@ -3,6 +3,23 @@
 A rule is `fn(importer, node) -> relax.Expr`, registered by ATen overload name
 (`"convolution_backward.default"`) with `@rule(...)`. Rules here take
 precedence over the ones inherited from `tvm.relax.frontend.torch`.
+scripts/conformance.py checks them against CPU PyTorch on OpInfo's samples.
+
+One module per op family, helpers they share in `kit`:
+
+  elementwise  arithmetic and comparisons, clamps, casts, math functions
+  reductions   sums, means, var/std, max/min and arg forms, norms, scans
+  nn           losses, normalization, softmax, matrix products
+  pooling      max, average and adaptive pools
+  indexing     scatter, gather, index_select/put/reduce, take/put, cat
+  views        view ops and their scatter inverses
+  creation     fills, zeros/ones/full/empty and their *_like and new_* forms
+  backward     the backward ops autograd emits
+  special      the error-function family (erfc, erfcx, erfinv, ndtri)
+  gamma        the gamma family (lgamma, digamma, polygamma, zeta) and Bessel I0/I1
+  random       counter-based random bits and dropout's keep mask
+  script       calls of converted TorchScript forwards and backwards
+  library      matmul, convolution and friends as calls of the `ratex.lib.*` kernels
 """
 RULES = {}
 TIR_RULES = set()  # names whose rule emits a call_tir (see `rule`)
@@ -32,5 +49,6 @@ def rule(*names, wraps=False, tir=False):
     return register
 
 
-from . import arith, backward, coverage, nn, precise, random, script, views, special, gamma, corners, indexing, library  # noqa: E402,F401  (registration side effects)
-# library must come last: its rules wrap the ones registered before it
+# Imported for their registrations; library comes last: its rules wrap the ones registered before it.
+from . import (elementwise, reductions, nn, pooling, indexing, views, creation, backward,  # noqa: E402,F401
+               special, gamma, random, script, library)

@@ -1,4 +1,5 @@
-"""Gamma-family functions and modified Bessel functions as elementwise TE kernels.
+"""Special functions of the gamma family, and modified Bessel functions, as elementwise TE kernels
+(special.py holds the error-function family).
 
 TVM has no lowering for any of these. Every kernel computes in float64 whatever
 the input dtype (PyTorch promotes integer inputs to float and computes half
@@ -34,7 +35,7 @@ import torch
 from tvm import relax, te, tirx
 
 from . import rule
-from .nn import cast, emit, emit_te, env, horner, out_meta, shape
+from .kit import cast, emit, emit_te, env, horner, out_meta, shape
 
 _F64 = "float64"
 _INF = float("inf")

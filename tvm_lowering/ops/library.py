@@ -19,7 +19,7 @@ from tvm import relax
 from ..dtypes import to_tvm
 from ..library_dispatch import aten_call, out_call, packed_call, worth_library
 from . import RULES, rule
-from .nn import arg, out_meta
+from .kit import arg, out_meta
 
 aten_t = "t.default"
 
