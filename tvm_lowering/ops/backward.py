@@ -8,9 +8,9 @@ from torch import fx
 from tvm import relax, te, tirx
 
 from .. import pool_grad
-from . import rule
 from .kit import (arg, cast, dtype, emit, emit_te, env, nll_pick, out_meta, pair, pool_window, scalar, scatter_into,
                   shape, tuple_out, zeros)
+from .registry import rule
 
 
 op = relax.op

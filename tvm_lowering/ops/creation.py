@@ -7,8 +7,8 @@ On the lazy device most creation is device data at once; these rules lower what 
 import torch
 from tvm import relax
 
-from . import rule
 from .kit import arg, emit, env, filled, is_float, out_meta, zeros
+from .registry import rule
 
 
 @rule("full.default")

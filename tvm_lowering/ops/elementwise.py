@@ -24,8 +24,8 @@ import torch
 from tvm import relax, te, tirx
 
 from ..dtypes import to_tvm
-from . import rule
 from .kit import arg, cast, dtype, emit, emit_te, env, filled, float_compute, horner, is_float, out_meta, pointwise
+from .registry import rule
 
 
 # ---- binary arithmetic and comparisons under PyTorch's type promotion -------------------------

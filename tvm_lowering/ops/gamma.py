@@ -34,8 +34,8 @@ from fractions import Fraction
 import torch
 from tvm import relax, te, tirx
 
-from . import rule
 from .kit import cast, emit, emit_te, env, horner, out_meta, shape
+from .registry import rule
 
 _F64 = "float64"
 _INF = float("inf")

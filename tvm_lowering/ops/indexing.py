@@ -9,8 +9,8 @@ import math
 import numpy as np
 from tvm import relax
 
-from . import rule
 from .kit import arg, cast, dtype, emit, env, flatten, out_meta, scatter_into, shape
+from .registry import rule
 
 
 # ---- scatter ----------------------------------------------------------------------------------

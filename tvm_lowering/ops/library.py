@@ -18,8 +18,8 @@ from tvm import relax
 
 from ..dtypes import to_tvm
 from ..library_dispatch import aten_call, out_call, packed_call, worth_library
-from . import RULES, rule
 from .kit import arg, out_meta
+from .registry import RULES, rule
 
 aten_t = "t.default"
 

@@ -6,8 +6,8 @@ import math
 
 from tvm import relax
 
-from . import rule
 from .kit import arg, dtype, emit, env, flatten, nll_pick, out_meta, scalar, shape, zeros
+from .registry import rule
 
 
 # TVM's rules for these return wrong values (an identity for training-mode

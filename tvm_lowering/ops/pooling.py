@@ -7,8 +7,8 @@ import math
 import numpy as np
 from tvm import relax, te, tirx
 
-from . import rule
 from .kit import arg, emit, emit_te, env, is_float, out_meta, pair, pool_window
+from .registry import rule
 
 
 # ---- max_pool2d_with_indices ------------------------------------------------------------------

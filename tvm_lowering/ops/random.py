@@ -16,8 +16,8 @@ full-size index tensor exists for constant folding to bake into the program.
 from tvm import te, tirx
 
 from ..counter_rng import words
-from . import rule
 from .kit import emit_te, out_meta
+from .registry import rule
 
 
 def _bits_te(seed, out_shape):

@@ -13,8 +13,8 @@ from tvm import relax, te, tirx
 from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as T
 
-from . import rule
 from .kit import arg, cast, dtype, emit, emit_host_kernel, env, filled, is_float, norm_dims, out_meta, shape
+from .registry import rule
 
 
 # ---- sums, means, variances, products ---------------------------------------------------------

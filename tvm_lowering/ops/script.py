@@ -9,7 +9,7 @@ the forward).
 from tvm import relax
 
 from ..inline import inline
-from . import rule
+from .registry import rule
 
 _scripts = {}  # key -> Script
 

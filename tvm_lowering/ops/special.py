@@ -12,8 +12,8 @@ import math
 
 from tvm import tirx
 
-from . import rule
 from .kit import out_meta, pointwise
+from .registry import rule
 
 
 F64 = "float64"

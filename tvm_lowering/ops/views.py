@@ -7,8 +7,8 @@ the base (what an in-place write through a view records).
 import numpy as np
 from tvm import relax, te, tirx
 
-from . import rule
 from .kit import arg, dtype, emit, emit_te, env, out_meta, shape
+from .registry import rule
 
 
 # ---- views ------------------------------------------------------------------------------------
