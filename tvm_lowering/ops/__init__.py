@@ -9,7 +9,7 @@ One module per op family, helpers they share in `kit`:
 
   elementwise  arithmetic and comparisons, clamps, casts, math functions
   reductions   sums, means, var/std, max/min and arg forms, norms, scans
-  nn           losses, normalization, softmax, matrix products
+  nn           losses, normalization, softmax, matrix products, pixel shuffle
   pooling      max, average and adaptive pools
   indexing     scatter, gather, index_select/put/reduce, take/put, cat
   views        view ops and their scatter inverses
