@@ -48,3 +48,20 @@ def wrap_programs(request, monkeypatch):
         monkeypatch.setattr(executor.Program, "launcher", launcher)
 
     return install
+
+
+@pytest.fixture
+def seeded():
+    """torch.manual_seed(0) first: the rule tests draw the same random inputs on every run."""
+    torch.manual_seed(0)
+
+
+@pytest.fixture
+def tvm_kernels(monkeypatch):
+    """Exercise the TVM rules themselves, not the kernel library that CPU uses by default."""
+    from ratex.core import executor, sync
+
+    monkeypatch.setattr(executor, "use_library", lambda kind: False)
+    sync.reset_cache()  # programs compiled with the library must not be reused here, nor these elsewhere
+    yield
+    sync.reset_cache()

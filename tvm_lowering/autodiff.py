@@ -19,6 +19,8 @@ from tvm import relax
 from tvm.relax.op import register_gradient
 from tvm.relax.op import _op_gradient  # noqa: F401  (TVM's rules, registered on import)
 
+from .inline import inline
+
 op = relax.op
 
 
@@ -282,8 +284,6 @@ def vjp(fwd: relax.Function, diff: list, n_outs: int) -> relax.Function:
     Only fwd's first `n_outs` outputs get incoming gradients; the rest (new buffer
     values) are state, not results, and are dead code in bwd.
     """
-    from .torchscript import inline
-
     params = [relax.Var(p.name, p.ty) for p in fwd.params]
     out_tys = list(fwd.ret_ty.fields)[:n_outs]
     grads = [relax.Var(f"grad_out{i}", ty) for i, ty in enumerate(out_tys)]

@@ -30,8 +30,9 @@ class Importer(ExportedProgramImporter):
 
     library = False  # dispatch heavy ops to the kernel library (see ops/library.py)
     library_min_macs = 0  # ... those of at least this many multiply-adds
-    # The module is built for the CPU: rules may emit TIR loops that run on the host (ops/indexing.py's
-    # serial scatters and scans), which a CUDA build would leave on the host, reading device memory.
+    # The module is built for the CPU: rules may emit TIR loops that run on the host (the serial scatters
+    # of ops/kit.py and scans of ops/reductions.py), which a CUDA build would leave on the host, reading
+    # device memory.
     host_kernels = False
 
     def __init__(self, differentiable=False):

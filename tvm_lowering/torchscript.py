@@ -20,8 +20,8 @@ random bits stay outside the differentiated function (their rule is a
 call_tir, which Gradient refuses). Buffers written in place (BatchNorm's
 running stats and `num_batches_tracked`) are returned as extra outputs after
 the model's own, for the caller to write back. Scripts are registered by
-key (`register`/`lookup`) so the `script_fwd`/`script_bwd` lowering rules can
-find them. Only metas cross into this module, never tensor data, except
+key (`register`, from ops/script.py) so the `script_fwd`/`script_bwd` lowering
+rules can find them. Only metas cross into this module, never tensor data, except
 tensor constants baked into a trace, which become extra `consts` inputs.
 """
 import operator
@@ -31,10 +31,10 @@ import threading
 import torch
 from torch import fx
 from torch.utils import _pytree as pytree
-from tvm import relax
 
 from . import autodiff
 from .importer import import_graph
+from .ops.script import register  # noqa: F401  (ratex.jit registers each converted script through here)
 
 aten = torch.ops.aten
 
@@ -70,19 +70,6 @@ class Script:
             if self._bwd is None:
                 self._bwd = autodiff.vjp(self.fwd, self.diff, self.n_outs)
             return self._bwd
-
-
-_registry = {}
-
-
-def register(key: str, script: Script):
-    """Make `script` reachable by `key` from the script_fwd/script_bwd lowering rules."""
-    _registry[key] = script
-
-
-def lookup(key: str) -> Script:
-    """Return the script registered under `key` (KeyError when none is)."""
-    return _registry[key]
 
 
 def graph_text(graph) -> str:
@@ -428,19 +415,3 @@ def convert(graph, input_metas, attr_metas, diff_inputs=(), diff_attrs=None) -> 
             diff.append(n_in + j)
     return Script(fwd, n_in, list(conv.attr_paths), list(conv.consts), list(conv.dropouts), out_metas, out_spec,
                   list(conv.writes), diff)
-
-
-def inline(bb: relax.BlockBuilder, func: relax.Function, args) -> relax.Expr:
-    """Emit `func`'s body into `bb`'s current block with `args` for its parameters; return its result.
-
-    A fresh copy of the function is used each time, so the same function can be
-    inlined several times into one program (Relax binds each variable once).
-    """
-    args = [a if isinstance(a, relax.Var) else bb.emit(a) for a in args]
-    func = relax.utils.copy_with_new_vars(func)
-    func = func.bind_params({p: a for p, a in zip(func.params, args)})
-    body = func.body
-    for block in body.blocks:
-        for binding in block.bindings:
-            bb.emit_normalized(binding)
-    return body.body

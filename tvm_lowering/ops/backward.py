@@ -1,4 +1,5 @@
-"""Rules for the backward ops autograd emits on the lazy device."""
+"""Rules for the backward ops autograd emits on the lazy device: of activations, softmax, losses,
+convolution, pooling, normalization and embedding."""
 import math
 import operator
 
@@ -7,8 +8,10 @@ from torch import fx
 from tvm import relax, te, tirx
 
 from .. import pool_grad
-from . import rule
-from .nn import arg, cast, dtype, emit, emit_te, env, nll_pick, out_meta, pair, pool_window, scalar, shape, tuple_out, zeros
+from .kit import (arg, cast, dtype, emit, emit_te, env, nll_pick, out_meta, pair, pool_window, scalar, scatter_into,
+                  shape, tuple_out, zeros)
+from .registry import rule
+
 
 op = relax.op
 
@@ -18,7 +21,7 @@ def _mask(node, i, name, n):
     return [True] * n if m is None else list(m)
 
 
-# ---- elementwise activations ------------------------------------------------------------
+# ---- elementwise activations ------------------------------------------------------------------
 @rule("threshold_backward.default")
 def threshold_backward(imp, node):
     g = env(imp, node.args[0])
@@ -96,7 +99,7 @@ def native_dropout_backward(imp, node):
     return emit(imp, op.multiply(op.multiply(g, cast(imp, mask, dt)), scalar(scale, dt)))
 
 
-# ---- softmax ---------------------------------------------------------------------------------
+# ---- softmax ----------------------------------------------------------------------------------
 @rule("_log_softmax_backward_data.default")
 def log_softmax_backward(imp, node):
     g, y = env(imp, node.args[0]), env(imp, node.args[1])
@@ -115,7 +118,7 @@ def softmax_backward(imp, node):
     return cast(imp, emit(imp, op.multiply(y, op.subtract(g, s))), out_dt)
 
 
-# ---- losses ------------------------------------------------------------------------------------
+# ---- losses -----------------------------------------------------------------------------------
 @rule("nll_loss_backward.default")
 def nll_loss_backward(imp, node):
     go = env(imp, node.args[0])
@@ -146,7 +149,7 @@ def mse_loss_backward(imp, node):
     return emit(imp, op.multiply(op.multiply(op.subtract(x, t), scalar(factor, dt)), go))
 
 
-# ---- convolution -----------------------------------------------------------------------------
+# ---- convolution ------------------------------------------------------------------------------
 def _conv_out_padding(in_size, out_size, k, s, p, d):
     return [i - ((o - 1) * st - 2 * pp + dd * (kk - 1) + 1) for i, o, kk, st, pp, dd in zip(in_size, out_size, k, s, p, d)]
 
@@ -219,7 +222,7 @@ def convolution_backward(imp, node):
     return tuple_out(imp, node, [grad_in, grad_w, grad_b])
 
 
-# ---- pooling ---------------------------------------------------------------------------------
+# ---- pooling ----------------------------------------------------------------------------------
 def _pool_indices_in_window(node):
     """Whether a max_pool2d_with_indices_backward call's windows tile its input (see
     pool_grad.tiles) and its indices are ones that max_pool2d_with_indices computed in this
@@ -349,7 +352,21 @@ def adaptive_avg_pool_backward(imp, node):
     return emit_te(imp, _adaptive_avg_bwd_te, g, shape(x)[-nd:])
 
 
-# ---- normalization ---------------------------------------------------------------------------
+@rule("adaptive_max_pool2d_backward.default", "adaptive_max_pool3d_backward.default")
+def adaptive_max_pool_backward(imp, node):
+    """Each output gradient added into the input position its max came from."""
+    grad, x, indices = (env(imp, a) for a in node.args[:3])
+    nd = 3 if node.target.__name__.startswith("adaptive_max_pool3d") else 2
+    xs, gs = shape(x), shape(grad)
+    planes = math.prod(xs[:-nd])
+    flat = [planes, math.prod(xs[-nd:])]
+    grads = emit(imp, relax.op.reshape(grad, [planes, math.prod(gs[-nd:])]))
+    where = emit(imp, relax.op.reshape(indices, [planes, math.prod(gs[-nd:])]))
+    out = scatter_into(imp, zeros(imp, flat, dtype(grad)), 1, where, grads, "sum")
+    return emit(imp, relax.op.reshape(out, xs))
+
+
+# ---- normalization ----------------------------------------------------------------------------
 @rule("native_layer_norm_backward.default")
 def native_layer_norm_backward(imp, node):
     go = env(imp, node.args[0])
@@ -420,7 +437,7 @@ def native_batch_norm_backward(imp, node):
     return tuple_out(imp, node, [gi, gw, gb])
 
 
-# ---- embedding -------------------------------------------------------------------------------
+# ---- embedding --------------------------------------------------------------------------------
 @rule("embedding_dense_backward.default")
 def embedding_dense_backward(imp, node):
     g = env(imp, node.args[0])

@@ -1,4 +1,5 @@
-"""Gamma-family functions and modified Bessel functions as elementwise TE kernels.
+"""Special functions of the gamma family, and modified Bessel functions, as elementwise TE kernels
+(special.py holds the error-function family).
 
 TVM has no lowering for any of these. Every kernel computes in float64 whatever
 the input dtype (PyTorch promotes integer inputs to float and computes half
@@ -33,8 +34,8 @@ from fractions import Fraction
 import torch
 from tvm import relax, te, tirx
 
-from . import rule
-from .nn import cast, emit, emit_te, env, horner, out_meta, shape
+from .kit import cast, emit, emit_te, env, horner, out_meta, shape
+from .registry import rule
 
 _F64 = "float64"
 _INF = float("inf")

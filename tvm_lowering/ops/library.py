@@ -4,12 +4,12 @@ TVM's untuned LLVM code for these is 10-100x slower than vendor kernels on
 CPU; so is its code for softmax, log_softmax and GELU and their gradients
 (measured: 8-10x and 30x slower than torch's vectorized kernels on this CPU,
 exp and erf being scalar libm calls), which go through the generic
-`ratex.lib.aten` call. With `importer.library` set (see `tvm_lowering.kernels`), these rules emit
-`call_pure_packed("ratex.lib.<op>", ...)` instead; the packed functions are
-provided by the runtime side (ratex/core/kernels.py calls PyTorch's own kernels
-through zero-copy DLPack). Transposes feeding a matmul are folded into the call
-as flags, so no transposed copy is made. Without the flag, each rule defers to
-the rule it overrides.
+`ratex.lib.aten` call. With `importer.library` set (`import_graph(library=True)`), these rules
+emit `call_pure_packed("ratex.lib.<op>", ...)` instead. The runtime side registers those packed
+functions: ratex/core/kernels.py in Python (PyTorch's own kernels through zero-copy DLPack),
+replaced by csrc/kernels.cc's C++ versions of the same names where the native library is
+built. Transposes feeding a matmul are folded into the call as flags, so no transposed copy
+is made. Without the flag, each rule defers to the rule it overrides.
 """
 import math
 
@@ -18,8 +18,8 @@ from tvm import relax
 
 from ..dtypes import to_tvm
 from ..library_dispatch import aten_call, out_call, packed_call, worth_library
-from . import RULES, rule
-from .nn import arg, out_meta
+from .kit import arg, out_meta
+from .registry import RULES, rule
 
 aten_t = "t.default"
 

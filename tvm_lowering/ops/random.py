@@ -15,9 +15,9 @@ full-size index tensor exists for constant folding to bake into the program.
 """
 from tvm import te, tirx
 
-from . import rule
-from .nn import emit_te, out_meta
 from ..counter_rng import words
+from .kit import emit_te, out_meta
+from .registry import rule
 
 
 def _bits_te(seed, out_shape):

@@ -1,22 +1,34 @@
 """Calls of converted TorchScript forwards/backwards (`ratex::script_fwd`, `ratex::script_bwd`).
 
-The node's first argument is the key of a `tvm_lowering.torchscript.Script`;
-the rule inlines that script's Relax function into the program being built,
-so fusion and common-subexpression elimination see across the call (the
-forward recomputed by the backward is the same expression as the forward).
+The node's first argument is the key under which `register` holds a
+`tvm_lowering.torchscript.Script`; the rule inlines that script's Relax function
+into the program being built, so fusion and common-subexpression elimination see
+across the call (the forward recomputed by the backward is the same expression as
+the forward).
 """
 from tvm import relax
 
-from . import rule
+from ..inline import inline
+from .registry import rule
+
+_scripts = {}  # key -> Script
+
+
+def register(key: str, script):
+    """Make `script` (a torchscript.Script) reachable by `key` from the script_fwd/script_bwd rules."""
+    _scripts[key] = script
+
+
+def lookup(key: str):
+    """Return the script registered under `key` (KeyError when none is)."""
+    return _scripts[key]
 
 
 def _inline(importer, node, which):
     """Emit the stored Relax function `which` ('fwd' or 'bwd') of the script named by the node's key."""
-    from .. import torchscript
-
     key, args = node.args[0], node.args[1]
-    fn = getattr(torchscript.lookup(key), which)
-    return torchscript.inline(importer.block_builder, fn, [importer.env[a] for a in args])
+    fn = getattr(lookup(key), which)
+    return inline(importer.block_builder, fn, [importer.env[a] for a in args])
 
 
 @rule("script_fwd.default")

@@ -1,158 +1,28 @@
-"""Special functions and IEEE-754 bit-level ops that TVM's torch frontend lacks.
+"""Special functions of the error-function family (erfc, erfcx, erfinv, ndtri) as elementwise TE
+kernels; TVM's torch frontend has none of them. gamma.py holds the gamma and Bessel families.
 
-Found by the OpInfo conformance run (scripts/conformance.py). The special functions
-(erfc, erfcx, erfinv, ndtri) compute in float64 whatever their dtype, so float32 results
-are right to the last bit or two: float64 erf and erfc come from the C math library (as TVM's
-own float64 erf does); the rest is built on them here. erfinv and ndtri are lowered for
-float32 accuracy only, so float64 ones run on CPU PyTorch. Several are registered under both
-their ATen name and the name of the prim PyTorch decomposes them into (`erfinv` ->
-`erf_inv`, `special_ndtri` -> `ndtri`), so either form lowers.
+They compute in float64 whatever their dtype, so float32 results are right to the last bit or
+two: float64 erf and erfc come from the C math library (as TVM's own float64 erf does); the rest
+is built on them here. erfinv and ndtri are lowered for float32 accuracy only, so float64 ones
+run on CPU PyTorch. Several are registered under both their ATen name and the name of the prim
+PyTorch decomposes them into (`erfinv` -> `erf_inv`, `special_ndtri` -> `ndtri`), so either
+form lowers.
 """
 import math
 
-import torch
-from tvm import relax, te, tirx
+from tvm import tirx
 
-from . import rule
-from .nn import cast, dtype, emit, env, out_meta, shape
+from .kit import out_meta, pointwise
+from .registry import rule
+
 
 F64 = "float64"
-# The unsigned integer of each float's width, for bit-level work (unsigned: the GPU pipeline
-# narrows int64 values to int32, which would cut float64 bit patterns in half).
-_BITS = {"float16": "uint16", "bfloat16": "uint16", "float32": "uint32", "float64": "uint64"}
-_NARROW = {"bool", "int8", "uint8", "int16"}  # LLVM rejects max/min on these: computed in int32
 
 
 def _c(value, dt=F64):
     return tirx.const(value, dt)
 
 
-def _dtype(expr):
-    return str(expr.ty.dtype)
-
-
-def _is_float(dt):
-    return dt.startswith("float") or dt.startswith("bfloat")
-
-
-def _elementwise(imp, node, fn, compute, nargs=1):
-    """`fn` per element of the node's first `nargs` arguments, broadcast to the output shape and
-    cast to `compute` first; the result is cast to the output dtype.
-
-    `fn` may use a subexpression more than once, but must not bind it with a tirx.Let: TVM's
-    bfloat16 legalization computes garbage from a Let whose value reads a bfloat16 tensor,
-    as one does once a cast from bfloat16 is fused in. LLVM merges the repeated parts."""
-    out_shape, out_dt = out_meta(node)
-    xs = []
-    for a in node.args[:nargs]:
-        x = cast(imp, env(imp, a), compute) if isinstance(a, torch.fx.Node) else relax.const(a, compute)
-        xs.append(x if shape(x) == out_shape else emit(imp, relax.op.broadcast_to(x, out_shape)))
-
-    def kernel(*ts):
-        return te.compute(out_shape, lambda *i: fn(*(t(*i) for t in ts)).astype(out_dt),
-                          name=node.target.__name__.split(".")[0])
-
-    return imp.block_builder.emit_te(kernel, *xs)
-
-
-def _float_compute(node):
-    """float64 for float64 results, float32 for the narrower float ones (and int inputs)."""
-    return F64 if out_meta(node)[1] == F64 else "float32"
-
-
-# ---- where with operands of two dtypes (heaviside's decomposition mixes float and int64) ----
-@rule("where.self")
-def where(imp, node):
-    """The branches promoted to the output dtype first (TVM's rule needs them equal)."""
-    _, dt = out_meta(node)
-    cond = env(imp, node.args[0])
-    branches = [cast(imp, env(imp, b), dt) if isinstance(b, torch.fx.Node) else relax.const(b, dt)
-                for b in node.args[1:3]]
-    return emit(imp, relax.op.where(cast(imp, cond, "bool"), *branches))
-
-
-# ---- simple elementwise ops ------------------------------------------------------------------
-@rule("exp2.default")
-def exp2(imp, node):
-    return _elementwise(imp, node, tirx.exp2, _float_compute(node))
-
-
-@rule("log1p.default", tir=True)
-def log1p(imp, node):
-    """The C library's log1p: TVM's rule is log(1 + x), which loses all of a small x (log_ndtr
-    of large x is log1p of a tiny number)."""
-    return _elementwise(imp, node, tirx.log1p, _float_compute(node))
-
-
-@rule("signbit.default")
-def signbit(imp, node):
-    """The sign bit itself, so -0.0 and NaNs with the bit set count as negative."""
-    dt = dtype(env(imp, node.args[0]))
-    if dt in _BITS:
-        bits = _BITS[dt]
-        sign = _c(1 << (int(bits[4:]) - 1), bits)
-        return _elementwise(imp, node, lambda v: tirx.reinterpret(bits, v) >= sign, dt)
-    if dt == "bool" or dt.startswith("uint"):
-        return emit(imp, relax.op.zeros(relax.ShapeExpr(out_meta(node)[0]), "bool"))
-    return _elementwise(imp, node, lambda v: v < _c(0, dt), dt)
-
-
-def _nan_ignoring(pick):
-    """fmax/fmin: a NaN loses to a number; two NaNs give NaN."""
-    def fn(a, b):
-        if not _is_float(_dtype(a)):
-            return pick(a, b)
-        return tirx.Select(tirx.isnan(a), b, tirx.Select(tirx.isnan(b), a, pick(a, b)))
-    return fn
-
-
-@rule("fmax.default", "fmin.default")
-def fmax_fmin(imp, node):
-    _, dt = out_meta(node)
-    pick = tirx.Max if node.target.__name__.startswith("fmax") else tirx.Min
-    return _elementwise(imp, node, _nan_ignoring(pick), "int32" if dt in _NARROW else dt, nargs=2)
-
-
-def _hypot(a, b):
-    """sqrt(a² + b²) scaled by the larger magnitude, so it neither overflows nor underflows;
-    an infinity wins over a NaN (C's hypot, which PyTorch follows)."""
-    dt = _dtype(a)
-    a, b = tirx.abs(a), tirx.abs(b)
-    big, small = tirx.Max(a, b), tirx.Min(a, b)
-    r = small / big
-    out = big * tirx.sqrt(_c(1, dt) + r * r)
-    out = tirx.Select(big == _c(0, dt), _c(0, dt), out)
-    out = tirx.Select(tirx.isnan(a) | tirx.isnan(b), _c(math.nan, dt), out)
-    return tirx.Select(tirx.isinf(a) | tirx.isinf(b), _c(math.inf, dt), out)
-
-
-@rule("hypot.default")
-def hypot(imp, node):
-    return _elementwise(imp, node, _hypot, _float_compute(node), nargs=2)
-
-
-def _nextafter(x, y):
-    """The float next to x towards y, by stepping x's bit pattern (sign and magnitude) by one."""
-    dt = _dtype(x)
-    bits = _BITS[dt]
-    ix = tirx.reinterpret(bits, x)
-    up = tirx.Select(x > _c(0, dt), x < y, y < x)  # the magnitude grows: one step up the bit pattern
-    step = tirx.reinterpret(dt, tirx.Select(up, ix + _c(1, bits), ix - _c(1, bits)))
-    tiniest = tirx.reinterpret(dt, _c(1, bits))  # from zero: the smallest subnormal, signed like y
-    out = tirx.Select(x == _c(0, dt), tirx.Select(y > _c(0, dt), tiniest, -tiniest), step)
-    out = tirx.Select(x == y, y, out)
-    return tirx.Select(tirx.isnan(x) | tirx.isnan(y), x + y, out)
-
-
-@rule("nextafter.default")
-def nextafter(imp, node):
-    _, dt = out_meta(node)
-    if dt not in ("float32", "float64"):
-        raise NotImplementedError(f"nextafter on {dt} (lowered for float32 and float64)")
-    return _elementwise(imp, node, _nextafter, dt, nargs=2)
-
-
-# ---- the error function family, in float64 --------------------------------------------------
 def _erfc(x):
     """The C library's (CUDA's) float64 erfc: TVM has no erfc intrinsic."""
     return tirx.call_pure_extern(F64, "erfc", x)
@@ -229,7 +99,7 @@ def _ndtri(p):
 
 
 def _float64_rule(fn):
-    return lambda imp, node: _elementwise(imp, node, fn, F64)
+    return lambda imp, node: pointwise(imp, node, fn, F64)
 
 
 rule("erfc.default")(_float64_rule(_erfc))
@@ -240,7 +110,7 @@ def _inverse_rule(fn):
     def lower(imp, node):
         if out_meta(node)[1] == F64:
             raise NotImplementedError("erfinv and ndtri of float64 (lowered to 3e-9 relative: float32 accuracy)")
-        return _elementwise(imp, node, fn, F64)
+        return pointwise(imp, node, fn, F64)
     return lower
 
 

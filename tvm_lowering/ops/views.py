@@ -1,17 +1,55 @@
-"""View ops, their scatter inverses, and simple tensor creation."""
+"""View ops and their scatter inverses: t, transpose, squeeze, select, reshapes, as_strided, and
+select/slice/diagonal/as_strided scatters.
+
+A view's rule computes its value from the base's; a scatter writes a view's new value back into
+the base (what an in-place write through a view records).
+"""
+import numpy as np
 from tvm import relax, te, tirx
 
-from . import rule
-from .indexing import scatter_into
-from .nn import arg, emit, emit_te, env, out_meta, shape, zeros
+from .kit import arg, dtype, emit, emit_te, env, out_meta, shape
+from .registry import rule
 
 
+# ---- views ------------------------------------------------------------------------------------
 @rule("t.default")
 def t(imp, node):
     x = env(imp, node.args[0])
     if len(shape(x)) < 2:
         return x
     return emit(imp, relax.op.permute_dims(x, [1, 0]))
+
+
+@rule("transpose.int")
+def transpose(imp, node):
+    """Negative dims wrap; a 0-dim tensor (dims 0 or -1) is its own transpose."""
+    x = env(imp, node.args[0])
+    nd = len(shape(x))
+    if nd == 0:
+        return x
+    perm = list(range(nd))
+    a, b = node.args[1] % nd, node.args[2] % nd
+    perm[a], perm[b] = perm[b], perm[a]
+    return emit(imp, relax.op.permute_dims(x, perm))
+
+
+@rule("squeeze.dim", "squeeze.dims")
+def squeeze(imp, node):
+    """A reshape to the squeezed shape: also right for 0-dim inputs and dims whose size isn't 1
+    (left in place), which TVM's squeeze rejects."""
+    return emit(imp, relax.op.reshape(env(imp, node.args[0]), out_meta(node)[0]))
+
+
+@rule("select.int")
+def select(imp, node):
+    """TVM's rule reads out of bounds for a negative index; normalise it first."""
+    x = imp.env[node.args[0]]
+    ndim = x.ty.ndim
+    dim = node.args[1] % ndim
+    size = int(x.ty.shape.values[dim])
+    index = node.args[2] + size if node.args[2] < 0 else node.args[2]
+    part = imp.block_builder.emit(relax.op.strided_slice(x, axes=[dim], begin=[index], end=[index + 1]))
+    return imp.block_builder.emit(relax.op.squeeze(part, axis=[dim]))
 
 
 @rule("_unsafe_view.default", "_reshape_alias.default")
@@ -21,6 +59,7 @@ def unsafe_view(imp, node):
     return emit(imp, relax.op.reshape(x, want))
 
 
+# ---- scatters into a view ---------------------------------------------------------------------
 @rule("select_scatter.default")
 def select_scatter(imp, node):
     x = env(imp, node.args[0])
@@ -105,28 +144,50 @@ def diagonal_scatter(imp, node):
     return emit_te(imp, _diag_scatter_te, x, src, offset, d1, d2)
 
 
-@rule("zero.default")
-def zero(imp, node):
-    return emit(imp, relax.op.zeros_like(env(imp, node.args[0])))
+# ---- as_strided -------------------------------------------------------------------------------
+def _strided_positions(imp, size, stride, offset):
+    """int64 tensor of `size` holding offset + sum(i_k * stride_k): flat positions of an as_strided view."""
+    pos = relax.const(offset, "int64")
+    for k, (n, st) in enumerate(zip(size, stride)):
+        t = emit(imp, relax.op.arange(0, n, 1, "int64"))
+        t = emit(imp, relax.op.reshape(t, [1] * k + [n] + [1] * (len(size) - k - 1)))
+        pos = emit(imp, relax.op.add(pos, relax.op.multiply(t, relax.const(st, "int64"))))
+    return emit(imp, relax.op.broadcast_to(pos, size))
 
 
-@rule("new_empty.default", "empty_like.default", "new_empty_strided.default", "empty_strided.default")
-def new_empty(imp, node):
-    shp, dt = out_meta(node)
-    return zeros(imp, shp, dt)
+def _strided_args(node, numel, first):
+    size, stride = list(arg(node, first, "size")), list(arg(node, first + 1, "stride"))
+    offset = arg(node, first + 2, "storage_offset", None) or 0
+    last = offset + sum((n - 1) * st for n, st in zip(size, stride))
+    if 0 not in size and (offset < 0 or last >= numel):
+        raise NotImplementedError(f"as_strided reaching outside its input ({numel} elements)")
+    return size, stride, offset
 
 
-@rule("scatter_add.default")
-def scatter_add(imp, node):
+@rule("as_strided.default", "as_strided_copy.default")
+def as_strided(imp, node):
+    """Any sizes, strides and offset within the input, read from its contiguous value."""
     x = env(imp, node.args[0])
-    dim = arg(node, 1, "dim") % max(len(shape(x)), 1)
-    index = env(imp, node.args[2])
-    src = env(imp, node.args[3])
-    ishape = shape(index)
-    if 0 in ishape:
+    numel = int(np.prod(shape(x)))
+    size, stride, offset = _strided_args(node, numel, 1)
+    if 0 in size:
+        return emit(imp, relax.op.zeros(relax.ShapeExpr(size), dtype(x)))
+    flat = emit(imp, relax.op.reshape(x, [numel]))
+    pos = emit(imp, relax.op.reshape(_strided_positions(imp, size, stride, offset), [-1]))
+    return emit(imp, relax.op.reshape(emit(imp, relax.op.take(flat, pos, axis=0)), size))
+
+
+@rule("as_strided_scatter.default")
+def as_strided_scatter(imp, node):
+    x = env(imp, node.args[0])
+    src = env(imp, node.args[1])
+    xs = shape(x)
+    numel = int(np.prod(xs))
+    size, stride, offset = _strided_args(node, numel, 2)
+    if 0 in size:
         return x
-    if not shape(x):  # 0-dim: the one index names the one element; src's first element is added
-        first = emit(imp, relax.op.strided_slice(emit(imp, relax.op.reshape(src, [-1])), [0], [0], [1]))
-        return emit(imp, relax.op.add(x, relax.op.reshape(first, [])))
-    # Not TVM's scatter_elements: it misplaces writes where index is narrower than x.
-    return scatter_into(imp, x, dim, index, src, "sum")
+    flat = emit(imp, relax.op.reshape(x, [numel]))
+    pos = emit(imp, relax.op.reshape(_strided_positions(imp, size, stride, offset), [-1]))
+    vals = emit(imp, relax.op.reshape(src, [-1]))
+    out = emit(imp, relax.op.scatter_elements(flat, pos, vals, axis=0, reduction="update"))
+    return emit(imp, relax.op.reshape(out, xs))

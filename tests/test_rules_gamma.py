@@ -4,16 +4,13 @@ infinities, NaN, large arguments, and either side of each method's switch-over p
 import pytest
 import torch
 
-from test_rules import check
+from rule_check import check
 
 INF, NAN = float("inf"), float("nan")
 BESSEL = ["i0.default", "special_i0e.default", "special_i1.default", "special_i1e.default",
           "special_modified_bessel_i0.default", "special_modified_bessel_i1.default"]
 
-
-@pytest.fixture(autouse=True)
-def _seed():
-    torch.manual_seed(0)
+pytestmark = pytest.mark.usefixtures("seeded")
 
 
 def _gamma_points(dtype=torch.float32):

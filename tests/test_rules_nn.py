@@ -1,0 +1,160 @@
+"""Rules of tvm_lowering/ops/nn.py against CPU PyTorch: losses, normalization, matrix products,
+pixel shuffle, and a small CNN trained end to end."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ratex.lazy_tensor_core.core.lazy_model as lm
+from ratex.lazy_tensor_core.debug import metrics
+from rule_check import check, rnd
+
+aten = torch.ops.aten
+
+pytestmark = pytest.mark.usefixtures("seeded")
+
+
+# ---- losses -----------------------------------------------------------------------------------
+@pytest.mark.usefixtures("tvm_kernels")
+@pytest.mark.parametrize("reduction", [0, 1, 2])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_nll_loss(reduction, weighted):
+    x = torch.log_softmax(rnd(6, 4), 1)
+    y = torch.tensor([0, 3, 1, -100, 2, 3])
+    w = torch.rand(4) if weighted else None
+
+    def fn(x, y, w):
+        out, total = aten.nll_loss_forward.default(x, y, w, reduction, -100)
+        g = torch.ones_like(out) * 0.5 if reduction else x[:, 1] * 3.0  # any per-sample grad
+        gi = aten.nll_loss_backward.default(g, x, y, w, reduction, -100, total)
+        return out, total, gi
+
+    check(fn, x, y, w, ops=["nll_loss_forward.default", "nll_loss_backward.default"])
+
+
+@pytest.mark.usefixtures("tvm_kernels")
+def test_nll_loss_1d_and_ignore_index():
+    x = torch.log_softmax(rnd(5), 0)
+    check(lambda x, y: aten.nll_loss_forward.default(x, y, None, 1, 2)[0], x, torch.tensor(3),
+          ops=["nll_loss_forward.default"])
+
+
+@pytest.mark.usefixtures("tvm_kernels")
+def test_mse_loss():
+    for r in (0, 1, 2):
+        x, t = rnd(3, 4), rnd(3, 4)
+        g = torch.rand(3, 4) if r == 0 else torch.tensor(0.7)
+        check(lambda x, t, g: (aten.mse_loss.default(x, t, r), aten.mse_loss_backward.default(g, x, t, r)),
+              x, t, g, ops=["mse_loss.default", "mse_loss_backward.default"])
+
+
+# ---- normalization ----------------------------------------------------------------------------
+@pytest.mark.usefixtures("tvm_kernels")
+def test_layer_norm_forward_backward():
+    x, w, b = rnd(2, 3, 4), rnd(3, 4), rnd(3, 4)
+
+    def fn(x, w, b):
+        out, mean, rstd = aten.native_layer_norm.default(x, [3, 4], w, b, 1e-5)
+        grads = aten.native_layer_norm_backward.default(out * 3, x, [3, 4], mean, rstd, w, b, [True, True, True])
+        return (out, mean, rstd) + tuple(grads)
+
+    check(fn, x, w, b, ops=["native_layer_norm.default", "native_layer_norm_backward.default"])
+
+
+@pytest.mark.usefixtures("tvm_kernels")
+@pytest.mark.parametrize("training", [True, False])
+def test_batch_norm(training):
+    x, w, b = rnd(4, 3, 2, 2), rnd(3), rnd(3)
+    rm, rv = rnd(3), torch.rand(3) + 0.5
+
+    def fn(x, w, b, rm, rv):
+        out, sm, si = aten.native_batch_norm.default(x, w, b, rm.clone(), rv.clone(), training, 0.1, 1e-5)
+        grads = aten.native_batch_norm_backward.default(
+            out * 2, x, w, rm, rv, sm, si, training, 1e-5, [True, True, True]
+        )
+        return (out, sm, si) + tuple(grads) if training else (out,) + tuple(grads)
+
+    check(fn, x, w, b, rm, rv, ops=["native_batch_norm.default", "native_batch_norm_backward.default"])
+
+
+def test_group_norm_and_spatial_nll():
+    x = torch.randn(2, 4, 3, 5)
+    target = torch.randint(0, 4, (2, 3, 5))
+    target[0, 0, 0] = -100  # ignored
+    weight = torch.rand(4)
+
+    def fn(a, t, w):
+        out = list(aten.native_group_norm.default(a, w, w + 1, 2, 4, 15, 2, 1e-5)) + [F.group_norm(a, 4)]
+        for reduction in ("none", "mean", "sum"):
+            out += [F.cross_entropy(a, t, reduction=reduction), F.cross_entropy(a, t, w, reduction=reduction)]
+        return out
+
+    check(fn, x, target, weight, ops=["native_group_norm.default", "nll_loss2d_forward.default"])
+
+
+# ---- matrix products, glu, pixel shuffle ------------------------------------------------------
+@pytest.mark.usefixtures("tvm_kernels")
+def test_bmm_with_transposed_operands():
+    """bmm takes operands transposed in their last two axes as flags (no transpose kernel):
+    either side, both, and a double transpose that cancels."""
+    check(lambda a, b, c: (torch.bmm(a.transpose(1, 2), b), torch.bmm(a, c.transpose(2, 1)),
+                           torch.bmm(c.transpose(1, 2), b.transpose(-1, -2)),
+                           torch.bmm(a.transpose(1, 2).transpose(1, 2), c.transpose(1, 2))),
+          rnd(2, 3, 4), rnd(2, 3, 5), rnd(2, 5, 4), ops=["bmm.default"])
+
+
+def test_matmul_with_empty_inner_dim():
+    check(lambda a, b: torch.matmul(a, b), torch.randn(2, 3, 0), torch.randn(0, 4))
+
+
+def test_pixel_shuffle_and_addbmm():
+    x = torch.randn(2, 1, 8, 2, 3)
+    m, b1, b2 = torch.randn(4, 5), torch.randn(3, 4, 6), torch.randn(3, 6, 5)
+    check(lambda t: torch.pixel_shuffle(t, 2), x, ops=["pixel_shuffle.default"])
+    check(lambda i, p, q: (torch.addbmm(i, p, q), torch.addbmm(i[0], p, q, beta=0.5, alpha=-2),
+                           torch.addbmm(torch.full_like(i, float("nan")), p, q, beta=0)),
+          m, b1, b2, ops=["addbmm.default"])
+
+
+def test_glu_through_tensor_split():
+    """glu's decomposition splits with tensor_split.sections: slices, not a CPU run; uneven sections too."""
+    x = torch.randn(4, 6)
+    check(lambda t: (torch.nn.functional.glu(t, 0), torch.nn.functional.glu(t, -1), torch.tensor_split(t, 4, 1)), x)
+
+
+# ---- end to end -------------------------------------------------------------------------------
+class TinyCNN(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(1, 4, 3, padding=1)
+        self.conv2 = torch.nn.Conv2d(4, 6, 3, stride=2, padding=1, groups=2)
+        self.fc = torch.nn.Linear(6 * 2 * 2, 5)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
+        x = F.relu(self.conv2(x))
+        return F.log_softmax(self.fc(x.flatten(1)), 1)
+
+
+@pytest.mark.usefixtures("tvm_kernels")
+def test_tiny_cnn_end_to_end():
+    model = TinyCNN()
+    lazy_model = TinyCNN()
+    lazy_model.load_state_dict(model.state_dict())
+    lazy_model = lazy_model.to("lazy")
+    x, y = rnd(2, 1, 8, 8), torch.tensor([1, 4])
+
+    loss = F.nll_loss(model(x), y)
+    loss.backward()
+
+    metrics.reset()
+    lazy_loss = F.nll_loss(lazy_model(x.to("lazy")), y.to("lazy"))
+    lazy_loss.backward()
+    lm.mark_step()
+    torch.testing.assert_close(lazy_loss.cpu(), loss, rtol=1e-4, atol=1e-5)
+    for (name, p), lp in zip(model.named_parameters(), lazy_model.parameters()):
+        torch.testing.assert_close(lp.grad.cpu(), p.grad, rtol=1e-4, atol=1e-5, msg=name)
+    eager = [n for n in metrics.counter_names() if n.startswith("aten::")]
+    # conv1's input needs no grad, so its convolution_backward has a None output, which
+    # ratex's shape inference (ratex/core/shape.py) cannot record yet: it runs eagerly.
+    assert set(eager) <= {"aten::convolution_backward.default"}, eager
+    assert metrics.counter_value("ratex::convolution_backward.default") > 0

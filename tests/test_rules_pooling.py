@@ -1,0 +1,53 @@
+"""Rules of tvm_lowering/ops/pooling.py against CPU PyTorch: ties and NaN in max pools, window
+corners of average pools, uneven windows of adaptive pools (their gradients: test_rules_backward.py)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rule_check import check
+
+aten = torch.ops.aten
+NAN = float("nan")
+
+pytestmark = pytest.mark.usefixtures("seeded")
+
+
+@pytest.mark.usefixtures("tvm_kernels")
+@pytest.mark.parametrize(
+    "shape,k,s,p,d,ceil",
+    [
+        ((2, 3, 8, 8), [2, 2], [2, 2], [0, 0], [1, 1], False),
+        ((1, 2, 7, 9), [3, 2], [2, 1], [1, 1], [1, 2], True),
+        ((2, 7, 7), [3, 3], [2, 2], [1, 1], [2, 2], False),  # no batch dim
+    ],
+)
+def test_max_pool2d_with_indices_and_backward(shape, k, s, p, d, ceil):
+    x = torch.randint(-3, 3, shape).float()  # many ties: first max must win
+    x.view(-1)[5] = float("-inf")
+    x.view(-1)[[17, 18, 26]] = float("nan")  # NaN wins; among NaNs the last one
+
+    def fn(x):
+        out, idx = aten.max_pool2d_with_indices.default(x, k, s, p, d, ceil)
+        gi = aten.max_pool2d_with_indices_backward.default(out * 2 + 1, x, k, s, p, d, ceil, idx)
+        return out, idx, gi
+
+    check(fn, x, ops=["max_pool2d_with_indices.default", "max_pool2d_with_indices_backward.default"])
+
+
+def test_avg_pool3d_window_corners():
+    x = torch.randn(1, 2, 5, 5, 5)
+    check(lambda t: torch.nn.functional.avg_pool3d(t, (2, 3, 4), (1, 2, 2), (0, 1, 2), ceil_mode=True,
+                                                   count_include_pad=False), x, ops=["avg_pool3d.default"])
+
+
+def test_adaptive_pools_uneven_windows():
+    """8 -> 5 and 7 -> 3 give overlapping windows of two widths; max ties go to the first position
+    and NaN wins (the last NaN's index)."""
+    x = torch.randn(2, 3, 8, 7)
+    x[0, 0, 0, 0], x[0, 0, 1, 1] = NAN, NAN
+    x[1, 1, :3, :3] = 1.0
+    check(lambda a: (F.adaptive_avg_pool2d(a, (5, 3)), F.adaptive_avg_pool1d(a[0], 5), F.adaptive_avg_pool3d(a, (2, 5, 4)),
+                     F.adaptive_max_pool2d(a, (5, 3), return_indices=True), F.adaptive_max_pool1d(a[0], 3, return_indices=True),
+                     F.adaptive_max_pool3d(a, (2, 3, 3), return_indices=True)),
+          x, ops=["_adaptive_avg_pool2d.default", "_adaptive_avg_pool3d.default", "adaptive_max_pool2d.default",
+                  "adaptive_max_pool3d.default"])

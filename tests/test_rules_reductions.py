@@ -1,0 +1,77 @@
+"""Rules of tvm_lowering/ops/reductions.py against CPU PyTorch: 0-dim inputs, reductions over no
+elements, over every dim and of every dtype, NaN and ties in arg-reductions, slices of only -inf,
+running extremes and log-sum-exp."""
+import pytest
+import torch
+
+from rule_check import check
+
+aten = torch.ops.aten
+NAN, INF = float("nan"), float("inf")
+NEG_INF = float("-inf")
+
+pytestmark = pytest.mark.usefixtures("seeded")
+
+
+def test_zero_dim_views_and_reductions():
+    """TVM's rules index a dim that a 0-dim tensor lacks."""
+    x, i = torch.tensor(-1.5), torch.tensor([0])
+    check(lambda t: (t.squeeze(0), t.transpose(0, -1), t.mean(0, keepdim=True), t.mean(-1),
+                     t.argmax(), t.argmin(0, keepdim=True), t.prod(0), torch.any(t, 0), torch.any(t, dim=()),
+                     torch.index_select(t, 0, i.to(t.device))),
+          x, ops=["squeeze.dim", "transpose.int", "mean.dim", "argmax.default", "argmin.default",
+                  "any.dim", "any.dims", "index_select.default"])
+
+
+def test_zero_dim_corners():
+    x, i = torch.tensor(1.5), torch.tensor([0])
+    check(lambda t: (torch.softmax(t, 0), torch.cumsum(t, 0), torch.max(t, 0), torch.gather(t, 0, i.to(t.device)),
+                     torch.scatter_add(t, 0, i.to(t.device), torch.tensor([2.0, 7.0], device=t.device))), x)
+
+
+def test_reductions_over_all_dims_and_of_any_dtype():
+    x = torch.randn(3, 4)
+    x[0, 1] = 0
+    check(lambda t: (t.mean(dim=[]), torch.any(t, 1), torch.any(t.int(), dim=(0,), keepdim=True),
+                     t.argmax(), t.argmin(dim=-1, keepdim=True), t.prod(1), t.int().prod(),
+                     torch.linalg.vector_norm(t, 2, dim=[]), torch.linalg.vector_norm(t, 3, dim=[], keepdim=True),
+                     torch.linalg.vector_norm(t, float("inf"), dim=[]), t.norm()),
+          x, ops=["mean.dim", "any.dim", "any.dims", "argmax.default", "argmin.default", "prod.default",
+                  "linalg_vector_norm.default"])
+
+
+def test_reductions_of_all_infinite_slices():
+    """TVM's max reduction starts at the lowest finite float: a fully masked row must stay -inf."""
+    x = torch.randn(3, 4)
+    x[1] = NEG_INF
+    check(lambda t: (torch.amax(t, 1), t.amax(), torch.amin(-t, 1), (-t).min()), x,
+          ops=["amax.default", "amin.default", "min.default"])
+    check(lambda t: aten._safe_softmax.default(t, 1), x)
+
+
+def test_arg_extremes_pick_the_first_nan_and_the_first_tie():
+    x = torch.tensor([[1.0, float("nan"), 3.0, float("nan")], [2.0, 5.0, 5.0, -1.0], [-1.0, 4.0, -1.0, 0.0]])
+    check(lambda t: (t.argmax(1), t.argmin(1), t.argmax(), t[1:].argmin(), t.argmax(0, keepdim=True),
+                     torch.max(t, 1), torch.min(t, 0)),
+          x, ops=["argmax.default", "argmin.default", "max.dim", "min.dim"])
+
+
+@pytest.mark.parametrize("shape, dim, correction", [((0,), None, 1), ((0, 4), [0], 0), ((1, 4), [0], 1),
+                                                    ((2, 3), [1], 3), ((3, 4), [1], 0.5), ((), None, 0)])
+def test_var_corners(shape, dim, correction):
+    """Over no elements var is NaN; for N <= correction it is inf (NaN where every deviation is 0)."""
+    x = torch.randn(shape)
+    check(lambda t: (torch.var(t, dim, correction=correction), torch.std(t, dim, correction=correction),
+                     torch.var_mean(t, dim, correction=correction, keepdim=True)),
+          x, ops=["var.correction"], expected_warning="var\\(\\)|std\\(\\)|std_mean|var_mean")
+
+
+def test_running_extremes_and_logcumsumexp():
+    """cummax/cummin report the last of equal values; a NaN takes over (and a later NaN moves the
+    index). logcumsumexp keeps equal infinities and a -1000 next to 0."""
+    x = torch.tensor([[1., 3, 3, 2, 3, NAN, 1, NAN]] * 2).T.contiguous()
+    y = torch.tensor([[INF, INF, 1., -INF, NAN, 2.], [-INF, -INF, 1., INF, 2., 3.], [-1000., 0., 50., -3., 88., 89.]])
+    check(lambda a, b, c, z: (torch.cummax(a, 0), torch.cummin(-a, 0), torch.cummax(c, 1), torch.cummin(z, 0),
+                              torch.logcumsumexp(b, 1), torch.logcumsumexp(b, 0), torch.logcumsumexp(a * 20, 0)),
+          x, y, torch.randint(0, 3, (4, 5)), torch.tensor(2.0),
+          ops=["cummax.default", "cummin.default", "logcumsumexp.default"])

@@ -1,0 +1,359 @@
+"""Elementwise ops: arithmetic and comparisons, clamps, casts, and math functions.
+
+Arithmetic and comparisons compute in the dtype PyTorch computes in; clamps take
+bounds of any dtype; a cast to bfloat16 rounds as PyTorch's does. The math
+functions are ones TVM's torch frontend lacks (exp2, signbit, fmax/fmin, hypot,
+nextafter) or writes in forms that lose accuracy near zero, where PyTorch's do
+not: it writes expm1 as exp(x) - 1, which gives 0 for |x| below float32's
+epsilon (and a 1e-4 relative error well above it), atanh as
+0.5 * log((1 + x) / (1 - x)) (the same), log1p as log(1 + x), and elu through
+exp(x) - 1; its float32 tanh returns 0 below 1e-8 and is 1e-3 off relative at
+1e-5. Small arguments are where these functions are used (expm1 of small rates,
+tanh of small pre-activations), so the rules below keep PyTorch's relative
+accuracy there:
+
+  expm1   in float64: a Taylor polynomial for |x| < 1e-3, exp(x) - 1 above
+  atanh   0.5 * log1p(2x / (1 - x))
+  tanh    its odd Taylor polynomial for |x| < 0.01, TVM's tanh above
+  elu     scale * x for x > 0, alpha * scale * expm1(input_scale * x) below (selu too)
+  log1p   the C library's log1p
+"""
+import math
+
+import torch
+from tvm import relax, te, tirx
+
+from ..dtypes import to_tvm
+from .kit import arg, cast, dtype, emit, emit_te, env, filled, float_compute, horner, is_float, out_meta, pointwise
+from .registry import rule
+
+
+# ---- binary arithmetic and comparisons under PyTorch's type promotion -------------------------
+# TVM's rules promote by their own rules (a 0-dim float64 tensor makes float16 math
+# float64; int / int stays int) and LLVM codegen rejects comparisons of bool/int8/uint8
+# and arithmetic on bool. These compute in the dtype PyTorch computes in: the output's
+# for arithmetic, torch.result_type of the inputs for comparisons; narrow integer and
+# bool math runs in int32 (exact for these ops) and is cast back.
+_ARITH = {
+    "add.Tensor": relax.op.add, "sub.Tensor": relax.op.subtract, "mul.Tensor": relax.op.multiply,
+    "div.Tensor": relax.op.divide, "maximum.default": relax.op.maximum, "minimum.default": relax.op.minimum,
+}
+_COMPARE = {
+    f"{name}.{kind}": op
+    for name, op in (("lt", relax.op.less), ("le", relax.op.less_equal), ("gt", relax.op.greater),
+                     ("ge", relax.op.greater_equal), ("eq", relax.op.equal), ("ne", relax.op.not_equal))
+    for kind in ("Tensor", "Scalar")
+}
+_NARROW = {"bool", "int8", "uint8", "int16"}
+
+
+def _binary(imp, node):
+    name = node.target.__name__
+    alpha = 1  # add/sub's alpha scales the second operand, below: TVM's rule ignores it
+    if name in ("add.Tensor", "sub.Tensor") and set(node.kwargs) <= {"alpha"}:
+        alpha = node.kwargs.get("alpha", 1)
+    elif len(node.args) > 2 or node.kwargs:  # rounding_mode=: TVM's rule handles it
+        return imp.tvm_rules[name](node)
+    vals = [a.meta["val"] if hasattr(a, "meta") else a for a in node.args]
+    out_dtype = to_tvm(node.meta["val"].dtype)
+    compute = to_tvm(torch.result_type(*vals)) if name in _COMPARE else out_dtype
+    if compute in _NARROW:
+        compute = "int32"
+    bb = imp.block_builder
+    if name == "div.Tensor" and not hasattr(node.args[1], "meta") and node.args[1] == 0 \
+            and compute.startswith("float"):
+        # TVM's constant folder rejects a division by the constant 0; x * (+-inf) is the same
+        # IEEE result (+-inf, or NaN for 0 and NaN), as in a mean over no elements.
+        name, node_args = "mul.Tensor", (node.args[0], math.copysign(math.inf, node.args[1]))
+    else:
+        node_args = node.args
+    operands = [cast(imp, imp.env[a], compute) if hasattr(a, "meta") else relax.const(a, compute) for a in node_args]
+    if alpha != 1:
+        operands[1] = bb.emit(relax.op.multiply(operands[1], relax.const(alpha, compute)))
+    out = bb.emit({**_ARITH, **_COMPARE}[name](*operands))
+    return out if compute == out_dtype else bb.emit(relax.op.astype(out, out_dtype))
+
+
+rule(*_ARITH, *_COMPARE)(_binary)
+
+
+@rule("addcmul.default")
+def addcmul(imp, node):
+    """self + value * t1 * t2, computed in the output's dtype (narrow integers in int32).
+    ratex records an optimizer's `p.add_(buf, alpha=-lr)` as addcmul(p, buf, lr_input)."""
+    out_dtype = to_tvm(node.meta["val"].dtype)
+    compute = "int32" if out_dtype in _NARROW else out_dtype
+    bb = imp.block_builder
+    x, t1, t2 = (cast(imp, imp.env[a], compute) for a in node.args[:3])
+    prod = bb.emit(relax.op.multiply(t1, t2))
+    value = node.kwargs.get("value", 1)
+    if value != 1:
+        prod = bb.emit(relax.op.multiply(relax.const(value, compute), prod))
+    out = bb.emit(relax.op.add(x, prod))
+    return out if compute == out_dtype else bb.emit(relax.op.astype(out, out_dtype))
+
+
+@rule("rsub.Scalar")
+def rsub(imp, node):
+    """other - alpha * x in the output dtype (TVM's rule makes an int32 constant of an int scalar)."""
+    _, dt = out_meta(node)
+    compute = "int32" if dt in _NARROW else dt
+    x = cast(imp, env(imp, node.args[0]), compute)
+    alpha = arg(node, 2, "alpha", 1)
+    if alpha != 1:
+        x = emit(imp, relax.op.multiply(x, relax.const(alpha, compute)))
+    return cast(imp, emit(imp, relax.op.subtract(relax.const(arg(node, 1, "other"), compute), x)), dt)
+
+
+@rule("bitwise_right_shift.Tensor_Scalar", "__rshift__.Scalar")
+def right_shift(imp, node):
+    """Arithmetic shift of an integer tensor by a constant (TVM has no rule for it)."""
+    x = imp.env[node.args[0]]
+    amount = relax.const(int(node.args[1]), str(x.ty.dtype))
+    return imp.block_builder.emit(relax.op.right_shift(x, amount))
+
+
+@rule("where.self")
+def where(imp, node):
+    """The branches promoted to the output dtype first (TVM's rule needs them equal)."""
+    _, dt = out_meta(node)
+    cond = env(imp, node.args[0])
+    branches = [cast(imp, env(imp, b), dt) if isinstance(b, torch.fx.Node) else relax.const(b, dt)
+                for b in node.args[1:3]]
+    return emit(imp, relax.op.where(cast(imp, cond, "bool"), *branches))
+
+
+# ---- clamps -----------------------------------------------------------------------------------
+@rule("clamp.default")
+def clamp(imp, node):
+    """Bounds in the output dtype; an absent bound is no bound (TVM's rule passes +-inf, which an
+    integer tensor can't hold); NaN inputs stay NaN."""
+    _, dt = out_meta(node)
+    x = cast(imp, env(imp, node.args[0]), dt)
+    lo, hi = arg(node, 1, "min"), arg(node, 2, "max")
+    if any(isinstance(b, float) and math.isnan(b) for b in (lo, hi)):
+        return filled(imp, node, math.nan)  # a NaN bound makes every element NaN
+    out = x
+    if lo is not None:
+        out = emit(imp, relax.op.maximum(out, relax.const(lo, dt)))
+    if hi is not None:
+        out = emit(imp, relax.op.minimum(out, relax.const(hi, dt)))
+    if is_float(dt):
+        out = emit(imp, relax.op.where(relax.op.isnan(x), x, out))
+    return out
+
+
+@rule("clamp.Tensor", "clamp_min.Tensor", "clamp_max.Tensor")
+def clamp_tensor(imp, node):
+    """Bounds of another dtype are promoted with the input first (TVM's rule mixes dtypes)."""
+    x = env(imp, node.args[0])
+    name = node.target.__name__
+    _, dt = out_meta(node)
+    lo = arg(node, 1, "min") if not name.startswith("clamp_max") else None
+    hi = arg(node, 2, "max") if name.startswith("clamp.") else arg(node, 1, "max") if name.startswith("clamp_max") else None
+    out = cast(imp, x, dt)
+    if lo is not None:
+        out = emit(imp, relax.op.maximum(out, cast(imp, env(imp, lo), dt)))
+    if hi is not None:
+        out = emit(imp, relax.op.minimum(out, cast(imp, env(imp, hi), dt)))
+    return out
+
+
+# ---- casts to bfloat16 ------------------------------------------------------------------------
+# TVM computes bfloat16 in float32 and, inside a fused kernel, folds
+# float32 -> bfloat16 -> float32 casts away, so `x.bfloat16().float()` would not round.
+# The cast rounds explicitly (to nearest even, as PyTorch does) while still float32;
+# the bfloat16 cast that follows is then exact, folded or not.
+def _round_to_bf16_te(x):
+    def at(*i):
+        v = x(*i)
+        bits = tirx.reinterpret("uint32", v)
+        odd = (bits >> tirx.const(16, "uint32")) & tirx.const(1, "uint32")
+        up = (bits + tirx.const(0x7FFF, "uint32") + odd) & tirx.const(0xFFFF0000, "uint32")
+        return tirx.Select(tirx.isnan(v), v, tirx.reinterpret("float32", up))
+
+    return te.compute(x.shape, at, name="round_to_bfloat16")
+
+
+@rule("_to_copy.default")
+def to_copy(imp, node):
+    out = imp.tvm_rules["_to_copy.default"](node)
+    x = imp.env[node.args[0]]
+    if str(out.ty.dtype) != "bfloat16" or str(x.ty.dtype) == "bfloat16":
+        return out
+    bb = imp.block_builder
+    x32 = x if str(x.ty.dtype) == "float32" else bb.emit(relax.op.astype(x, "float32"))
+    return bb.emit(relax.op.astype(bb.emit_te(_round_to_bf16_te, x32), "bfloat16"))
+
+
+# ---- functions accurate near zero -------------------------------------------------------------
+def _f64(x):
+    return x if str(x.ty) == "float64" else x.astype("float64")
+
+
+# No tirx.Let below (TVM's bfloat16 legalization miscomputes one over a fused bfloat16
+# cast, see fastmath.fast_exp): subexpressions repeat and LLVM merges them.
+def expm1_expr(x):
+    """exp(x) - 1 for a TIR float expression, accurate relative to the result near 0."""
+    d = _f64(x)
+    # x (1 + x/2 + x^2/6 + x^3/24 + x^4/120): the first omitted term is below 2e-18 relative
+    series = d * horner(d, [1.0, 1 / 2, 1 / 6, 1 / 24, 1 / 120])
+    value = tirx.Select(tirx.abs(d) < tirx.const(1e-3, "float64"), series, tirx.exp(d) - tirx.const(1.0, "float64"))
+    return value.astype(str(x.ty))
+
+
+def _atanh(x):
+    d = _f64(x)
+    value = tirx.const(0.5, "float64") * tirx.log1p(tirx.const(2.0, "float64") * d / (tirx.const(1.0, "float64") - d))
+    return value.astype(str(x.ty))
+
+
+def _tanh(x):
+    dt = str(x.ty)
+    # x - x^3/3 + 2x^5/15 - 17x^7/315: the first omitted term is below 1e-17 relative at 0.01
+    series = x * horner(x * x, [1.0, -1 / 3, 2 / 15, -17 / 315])
+    return tirx.Select(tirx.abs(x) < tirx.const(0.01, dt), series, tirx.tanh(x))
+
+
+def _unary(name, fn, relax_form=None):
+    """Rule computing `fn` elementwise; in a jit.script forward `relax_form` (Relax ops that
+    Relax's Gradient can differentiate) where given."""
+    def lower(imp, node):
+        x = env(imp, node.args[0])
+        _, out_dtype = out_meta(node)
+        if str(x.ty.dtype) != out_dtype:  # integer inputs compute in the float result dtype
+            x = imp.block_builder.emit(relax.op.astype(x, out_dtype))
+        if imp.differentiable and relax_form is not None:
+            return imp.block_builder.emit(relax_form(x, lambda v: relax.const(v, out_dtype)))
+        return emit_te(imp, lambda t: te.compute(t.shape, lambda *i: fn(t(*i)), name=name), x, primfunc_name_hint=name)
+
+    return lower
+
+
+def _atanh_relax(x, c):  # relax.atanh has no gradient
+    return relax.op.multiply(c(0.5), relax.op.log(relax.op.divide(relax.op.add(c(1.0), x), relax.op.subtract(c(1.0), x))))
+
+
+rule("expm1.default", tir=True)(_unary("expm1", expm1_expr))
+rule("atanh.default")(_unary("atanh", _atanh, _atanh_relax))
+rule("tanh.default", tir=True)(_unary("tanh", _tanh))
+
+
+@rule("elu.default")
+def elu(imp, node):
+    """elu(x, alpha, scale, input_scale) as ATen defines it (TVM's rule drops the scales)."""
+    scales = (float(arg(node, i, n, 1.0)) for i, n in ((1, "alpha"), (2, "scale"), (3, "input_scale")))
+    return _elu(imp, env(imp, node.args[0]), *scales)
+
+
+@rule("selu.default")
+def selu(imp, node):
+    """selu is elu with fixed alpha and scale (TVM's relax.nn.selu has no gradient for jit.script)."""
+    return _elu(imp, env(imp, node.args[0]), 1.6732632423543772, 1.0507009873554805, 1.0)
+
+
+def _elu(imp, x, alpha, scale, input_scale):
+    """scale * x for x > 0, alpha * scale * expm1(input_scale * x) below. In a jit.script forward
+    it is made of Relax ops, which Relax's Gradient can differentiate, with exp(x) - 1 for expm1."""
+    if imp.differentiable:
+        dt = str(x.ty.dtype)
+        c = lambda v: relax.const(v, dt)  # noqa: E731
+        neg = relax.op.multiply(c(alpha * scale), relax.op.subtract(relax.op.exp(relax.op.multiply(x, c(input_scale))), c(1.0)))
+        return imp.block_builder.emit(relax.op.where(relax.op.greater(x, c(0.0)), relax.op.multiply(x, c(scale)), neg))
+
+    def compute(t):
+        def at(*i):
+            v = t(*i)
+            dt = str(v.ty)
+            neg = tirx.const(alpha * scale, dt) * expm1_expr(v * tirx.const(input_scale, dt))
+            return tirx.Select(v > tirx.const(0, dt), v * tirx.const(scale, dt), neg)
+
+        return te.compute(t.shape, at, name="elu")
+
+    return emit_te(imp, compute, x)
+
+
+@rule("log1p.default", tir=True)
+def log1p(imp, node):
+    """The C library's log1p: TVM's rule is log(1 + x), which loses all of a small x (log_ndtr
+    of large x is log1p of a tiny number)."""
+    return pointwise(imp, node, tirx.log1p, float_compute(node))
+
+
+# ---- functions TVM lacks, and IEEE-754 bit-level ops ------------------------------------------
+# The unsigned integer of each float's width, for bit-level work (unsigned: the GPU pipeline
+# narrows int64 values to int32, which would cut float64 bit patterns in half).
+_BITS = {"float16": "uint16", "bfloat16": "uint16", "float32": "uint32", "float64": "uint64"}
+
+
+@rule("exp2.default")
+def exp2(imp, node):
+    return pointwise(imp, node, tirx.exp2, float_compute(node))
+
+
+@rule("signbit.default")
+def signbit(imp, node):
+    """The sign bit itself, so -0.0 and NaNs with the bit set count as negative."""
+    dt = dtype(env(imp, node.args[0]))
+    if dt in _BITS:
+        bits = _BITS[dt]
+        sign = tirx.const(1 << (int(bits[4:]) - 1), bits)
+        return pointwise(imp, node, lambda v: tirx.reinterpret(bits, v) >= sign, dt)
+    if dt == "bool" or dt.startswith("uint"):
+        return emit(imp, relax.op.zeros(relax.ShapeExpr(out_meta(node)[0]), "bool"))
+    return pointwise(imp, node, lambda v: v < tirx.const(0, dt), dt)
+
+
+def _nan_ignoring(pick):
+    """fmax/fmin: a NaN loses to a number; two NaNs give NaN."""
+    def fn(a, b):
+        if not is_float(dtype(a)):
+            return pick(a, b)
+        return tirx.Select(tirx.isnan(a), b, tirx.Select(tirx.isnan(b), a, pick(a, b)))
+    return fn
+
+
+@rule("fmax.default", "fmin.default")
+def fmax_fmin(imp, node):
+    _, dt = out_meta(node)
+    pick = tirx.Max if node.target.__name__.startswith("fmax") else tirx.Min
+    return pointwise(imp, node, _nan_ignoring(pick), "int32" if dt in _NARROW else dt, nargs=2)
+
+
+def _hypot(a, b):
+    """sqrt(a² + b²) scaled by the larger magnitude, so it neither overflows nor underflows;
+    an infinity wins over a NaN (C's hypot, which PyTorch follows)."""
+    dt = dtype(a)
+    a, b = tirx.abs(a), tirx.abs(b)
+    big, small = tirx.Max(a, b), tirx.Min(a, b)
+    r = small / big
+    out = big * tirx.sqrt(tirx.const(1, dt) + r * r)
+    out = tirx.Select(big == tirx.const(0, dt), tirx.const(0, dt), out)
+    out = tirx.Select(tirx.isnan(a) | tirx.isnan(b), tirx.const(math.nan, dt), out)
+    return tirx.Select(tirx.isinf(a) | tirx.isinf(b), tirx.const(math.inf, dt), out)
+
+
+@rule("hypot.default")
+def hypot(imp, node):
+    return pointwise(imp, node, _hypot, float_compute(node), nargs=2)
+
+
+def _nextafter(x, y):
+    """The float next to x towards y, by stepping x's bit pattern (sign and magnitude) by one."""
+    dt = dtype(x)
+    bits = _BITS[dt]
+    ix = tirx.reinterpret(bits, x)
+    up = tirx.Select(x > tirx.const(0, dt), x < y, y < x)  # the magnitude grows: one step up the bit pattern
+    step = tirx.reinterpret(dt, tirx.Select(up, ix + tirx.const(1, bits), ix - tirx.const(1, bits)))
+    tiniest = tirx.reinterpret(dt, tirx.const(1, bits))  # from zero: the smallest subnormal, signed like y
+    out = tirx.Select(x == tirx.const(0, dt), tirx.Select(y > tirx.const(0, dt), tiniest, -tiniest), step)
+    out = tirx.Select(x == y, y, out)
+    return tirx.Select(tirx.isnan(x) | tirx.isnan(y), x + y, out)
+
+
+@rule("nextafter.default")
+def nextafter(imp, node):
+    _, dt = out_meta(node)
+    if dt not in ("float32", "float64"):
+        raise NotImplementedError(f"nextafter on {dt} (lowered for float32 and float64)")
+    return pointwise(imp, node, _nextafter, dt, nargs=2)

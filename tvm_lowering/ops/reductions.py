@@ -1,0 +1,331 @@
+"""Reductions and scans: sum, mean, var/std, prod, any, max/min and their arg forms, vector norms,
+cumulative sums, products, extremes and log-sum-exp.
+
+As PyTorch reduces: 0-dim inputs, empty dim lists (every dim), no elements, slices of only
+-inf, NaN (which a max or argmax picks) and ties, where TVM's rules raise or compute something
+else. The running extremes and logcumsumexp are serial TIR loops run on the host, in CPU
+builds only (see kit.emit_host_kernel).
+"""
+import math
+
+import numpy as np
+from tvm import relax, te, tirx
+from tvm.script.ir_builder import IRBuilder
+from tvm.script.ir_builder import tirx as T
+
+from .kit import arg, cast, dtype, emit, emit_host_kernel, env, filled, is_float, norm_dims, out_meta, shape
+from .registry import rule
+
+
+# ---- sums, means, variances, products ---------------------------------------------------------
+@rule("sum.dim_IntList")
+def sum_dim(imp, node):
+    x = imp.env[node.args[0]]
+    if x.ty.ndim == 0:  # summing a 0-dim tensor over dim 0 (or []) returns it unchanged
+        dtype = str(node.meta["val"].dtype).replace("torch.", "")
+        return x if str(x.ty.dtype) == dtype else imp.block_builder.emit(relax.op.astype(x, dtype))
+    return imp._sum(node)
+
+
+def _axes(dims, nd):
+    """Reduction axes of a `dim` argument: None (all) for None or an empty list, as PyTorch reads it."""
+    if dims is None or (not isinstance(dims, int) and len(dims) == 0):
+        return None
+    return norm_dims(dims, nd)
+
+
+@rule("mean.dim")
+def mean(imp, node):
+    """A 0-dim input is its own mean; an empty dim list means every dim."""
+    x = env(imp, node.args[0])
+    _, dt = out_meta(node)
+    x = cast(imp, x, dt)
+    nd = len(shape(x))
+    if nd == 0:
+        return x
+    axes = _axes(arg(node, 1, "dim"), nd)
+    return emit(imp, relax.op.mean(x, axis=axes, keepdims=arg(node, 2, "keepdim", False)))
+
+
+@rule("var.correction")
+def var(imp, node):
+    """sum((x - mean)^2) / max(0, N - correction), as PyTorch: NaN over no elements, and for
+    N <= correction inf (or NaN where all deviations are 0). TVM's rule divides by N = 0 at
+    compile time and returns NaN for every N <= correction."""
+    x = env(imp, node.args[0])
+    xs = shape(x)
+    axes = _axes(arg(node, 1, "dim"), len(xs)) if xs else None
+    n = math.prod(xs[a] for a in axes) if axes is not None else math.prod(xs)
+    if n == 0:
+        return filled(imp, node, math.nan)
+    correction = node.kwargs.get("correction")
+    correction = 1 if correction is None else correction
+    keepdim = node.kwargs.get("keepdim", False)
+    if not xs:
+        x = emit(imp, relax.op.reshape(x, [1]))
+        axes = None
+    out = emit(imp, relax.op.variance(x, axis=axes, keepdims=keepdim))
+    if not xs:
+        out = emit(imp, relax.op.reshape(out, []))
+    if correction == 0:
+        return out
+    scale = n / (n - correction) if n > correction else math.inf  # a variance of 0 times inf is NaN
+    return emit(imp, relax.op.multiply(out, relax.const(scale, dtype(out))))
+
+
+@rule("std.correction")
+def std(imp, node):
+    """TVM's std ignores `correction`; its var honours it, so std = sqrt(var)."""
+    var = imp.convert_map["var.correction"](node)
+    return imp.block_builder.emit(relax.op.sqrt(var))
+
+
+@rule("prod.default")
+def prod(imp, node):
+    """aten.prod (every dim) and prims.prod (the listed dims, from PyTorch's decomposition of
+    prod.dim_int), in the output dtype; a 0-dim input is its own product."""
+    x = env(imp, node.args[0])
+    _, dt = out_meta(node)
+    x = cast(imp, x, dt)
+    nd = len(shape(x))
+    if node.target.namespace == "prims":
+        dims = list(node.args[1])
+        if nd == 0 or not dims:
+            return x
+        return emit(imp, relax.op.prod(x, axis=norm_dims(dims, nd)))
+    return x if nd == 0 else emit(imp, relax.op.prod(x))
+
+
+@rule("any.dim", "any.dims")
+def any_(imp, node):
+    """Whether any element is non-zero, for every dtype (TVM's rule returns the max of a float
+    tensor); a 0-dim input is tested as it is."""
+    x = env(imp, node.args[0])
+    nd = len(shape(x))
+    nonzero = x if dtype(x) == "bool" else emit(imp, relax.op.not_equal(x, relax.const(0, dtype(x))))
+    if nd == 0:
+        return nonzero
+    axes = _axes(arg(node, 1, "dim"), nd)
+    hit = emit(imp, relax.op.max(cast(imp, nonzero, "int8"), axis=axes, keepdims=arg(node, 2, "keepdim", False)))
+    return cast(imp, hit, "bool")
+
+
+# ---- max and min, and where they are ----------------------------------------------------------
+def extreme(imp, x, axes, keepdims, largest):
+    """max (or min) over `axes`, -inf (+inf) where every element is -inf (+inf).
+
+    TVM's max reduction starts from the lowest finite value, so a slice of only -inf
+    (a fully masked attention row) came out as -3.4e38 instead of -inf.
+    """
+    reduce = relax.op.max if largest else relax.op.min
+    out = emit(imp, reduce(x, axis=axes, keepdims=keepdims))
+    dt = dtype(x)
+    if not is_float(dt):
+        return out
+    inf = relax.const(-np.inf if largest else np.inf, dt)
+    hit = emit(imp, relax.op.astype(relax.op.equal(x, inf), "int8"))
+    every = emit(imp, relax.op.equal(relax.op.min(hit, axis=axes, keepdims=keepdims), relax.const(1, "int8")))
+    return emit(imp, relax.op.where(every, inf, out))
+
+
+@rule("amax.default", "amin.default", "max.default", "min.default")
+def amax(imp, node):
+    """Bool tensors reduce as int32 (TVM has no max/min identity for bool): amax is any, amin is all."""
+    x = env(imp, node.args[0])
+    name = node.target.__name__
+    dims = arg(node, 1, "dim", []) if name.startswith("am") else []
+    keepdim = arg(node, 2, "keepdim", False) if name.startswith("am") else False
+    nd = len(shape(x))
+    axes = norm_dims(dims, nd) if dims not in ([], ()) else None
+    if nd == 0:
+        return x
+    largest = name.startswith(("amax", "max"))
+    if dtype(x) == "bool":
+        reduce = relax.op.max if largest else relax.op.min
+        return cast(imp, emit(imp, reduce(cast(imp, x, "int32"), axis=axes, keepdims=keepdim)), "bool")
+    return extreme(imp, x, axes, keepdim, largest=largest)
+
+
+def first_extreme_index(imp, x, axis, keepdims, largest):
+    """int64 index of the max (min) along `axis` (None: flattened): the first NaN where there is
+    one, as in PyTorch (comparisons never pick a NaN, so TVM's argmax returned another index),
+    else the first of equal extremes."""
+    fn = relax.op.argmax if largest else relax.op.argmin
+    idx = cast(imp, emit(imp, fn(x, axis=axis, keepdims=keepdims)), "int64")
+    if not is_float(dtype(x)):
+        return idx
+    nan = cast(imp, emit(imp, relax.op.isnan(x)), "int8")
+    first_nan = cast(imp, emit(imp, relax.op.argmax(nan, axis=axis, keepdims=keepdims)), "int64")
+    any_nan = cast(imp, emit(imp, relax.op.max(nan, axis=axis, keepdims=keepdims)), "bool")
+    return emit(imp, relax.op.where(any_nan, first_nan, idx))
+
+
+@rule("argmax.default", "argmin.default")
+def arg_extreme(imp, node):
+    """NaN-aware (see first_extreme_index); a 0-dim input's index is 0 (TVM's reduction rejects it)."""
+    x = env(imp, node.args[0])
+    shp, _ = out_meta(node)
+    if not shape(x):
+        return emit(imp, relax.op.zeros(relax.ShapeExpr(shp), "int64"))
+    dim = arg(node, 1, "dim")
+    axis = None if dim is None else dim % len(shape(x))
+    largest = node.target.__name__.startswith("argmax")
+    idx = first_extreme_index(imp, x, axis, arg(node, 2, "keepdim", False), largest)
+    return idx if shape(idx) == shp else emit(imp, relax.op.reshape(idx, shp))
+
+
+@rule("max.dim", "min.dim")
+def max_dim(imp, node):
+    """(values, indices) as arg-reduction then gather: TVM's topk rule fails at run time on bool,
+    TVM has none for min.dim, and neither takes a 0-dim input."""
+    x = env(imp, node.args[0])
+    keepdim = arg(node, 2, "keepdim", False)
+    nd = len(shape(x))
+    if nd == 0:
+        return emit(imp, relax.Tuple([x, relax.const(0, "int64")]))
+    axis = arg(node, 1, "dim") % nd
+    data = cast(imp, x, "int8") if dtype(x) == "bool" else x
+    idx = first_extreme_index(imp, data, axis, True, largest=node.target.__name__.startswith("max"))
+    values = emit(imp, relax.op.gather_elements(x, idx, axis=axis))
+    if not keepdim:
+        idx = emit(imp, relax.op.squeeze(idx, axis=[axis]))
+        values = emit(imp, relax.op.squeeze(values, axis=[axis]))
+    return emit(imp, relax.Tuple([values, idx]))
+
+
+# ---- vector norms -----------------------------------------------------------------------------
+@rule("linalg_vector_norm.default")
+def vector_norm(imp, node):
+    """ord 0 counts non-zeros (TVM's rule divides by it); a 0-dim norm is |x| (TVM's sums over a
+    dim it lacks); norms over every dim are computed here (TVM's rule reads an empty dim list as
+    no dims); other cases are TVM's."""
+    x = env(imp, node.args[0])
+    nd = len(shape(x))
+    order = float(arg(node, 1, "ord", 2))
+    dims = arg(node, 2, "dim", None)
+    every = dims is None or (not isinstance(dims, int) and len(dims) == 0)
+    if order != 0 and nd and not every:
+        return imp.tvm_rules["linalg_vector_norm.default"](node)
+    _, dt = out_meta(node)
+    if not nd:
+        return cast(imp, emit(imp, relax.op.abs(x) if order else relax.op.not_equal(x, relax.const(0, dtype(x)))), dt)
+    axes = None if every else [d % nd for d in ([dims] if isinstance(dims, int) else dims)]
+    keepdim = arg(node, 3, "keepdim", False)
+    if order == 0:
+        nonzero = emit(imp, relax.op.astype(relax.op.not_equal(x, relax.const(0, dtype(x))), dt))
+        return emit(imp, relax.op.sum(nonzero, axis=axes, keepdims=keepdim))
+    a = emit(imp, relax.op.abs(cast(imp, x, dt)))
+    if order in (np.inf, -np.inf):
+        return emit(imp, (relax.op.max if order > 0 else relax.op.min)(a, axis=axes, keepdims=keepdim))
+    if order == 1:
+        return emit(imp, relax.op.sum(a, axis=axes, keepdims=keepdim))
+    if order == 2:
+        return emit(imp, relax.op.sqrt(relax.op.sum(relax.op.multiply(a, a), axis=axes, keepdims=keepdim)))
+    p = relax.const(order, dt)
+    total = emit(imp, relax.op.sum(relax.op.power(a, p), axis=axes, keepdims=keepdim))
+    return emit(imp, relax.op.power(total, relax.const(1.0 / order, dt)))
+
+
+# ---- scans ------------------------------------------------------------------------------------
+@rule("cumsum.default", "cumprod.default")
+def cumulative(imp, node):
+    """In the output dtype from the start (bool and int inputs accumulate as int64); 0-dim is itself."""
+    _, dt = out_meta(node)
+    x = cast(imp, env(imp, node.args[0]), dt)
+    nd = len(shape(x))
+    if nd == 0:
+        return x
+    fn = relax.op.cumsum if node.target.__name__.startswith("cumsum") else relax.op.cumprod
+    return emit(imp, fn(x, axis=arg(node, 1, "dim") % nd))
+
+
+def _scan_te(x, step, out_dtypes, name):
+    """A serial scan along the middle dim of x (B, D, A): one parallel task per (b, a).
+
+    `step(x_k, k, prev)` gives the outputs at position k from x's element there and the
+    outputs at k - 1 (None at k = 0).
+    """
+    B, D, A = (int(s) for s in x.shape)
+
+    def gen(ins, outs):
+        data = T.buffer_proxy(ins[0])
+        res = [T.buffer_proxy(o) for o in outs]
+        with IRBuilder() as ib:
+            with T.parallel(0, B * A) as col:
+                b, a = tirx.floordiv(col, A), tirx.floormod(col, A)
+                for r, v in zip(res, step(data[b, 0, a], tirx.const(0, "int64"), None)):
+                    r[b, 0, a] = v
+                with T.serial(1, D) as k:
+                    prev = [r[b, k - 1, a] for r in res]
+                    for r, v in zip(res, step(data[b, k, a], k.astype("int64"), prev)):
+                        r[b, k, a] = v
+            return ib.get()
+
+    return te.extern([x.shape] * len(out_dtypes), [x], gen, dtype=list(out_dtypes), name=name)
+
+
+def _along(imp, node, x):
+    """x as (before, dim, after) around the scanned dim, or None for a 0-dim x."""
+    xs = shape(x)
+    if not xs:
+        return None
+    d = arg(node, 1, "dim") % len(xs)
+    return emit(imp, relax.op.reshape(x, [math.prod(xs[:d]), xs[d], math.prod(xs[d + 1:])]))
+
+
+@rule("cummax.default", "cummin.default")
+def cumulative_extreme(imp, node):
+    """(values, indices): a value at least as large (small) as the running one, or a NaN, takes over,
+    so ties report the last position, as PyTorch does."""
+    x = env(imp, node.args[0])
+    largest = node.target.__name__.startswith("cummax")
+    dt = dtype(x)
+    xs = shape(x)
+    data = _along(imp, node, x)
+    if data is None:
+        return emit(imp, relax.Tuple([x, relax.const(0, "int64")]))
+    if not is_float(dt) and dt not in ("int32", "int64"):
+        data = cast(imp, data, "int32")  # LLVM rejects comparisons of bool and narrow integers
+
+    def step(v, k, prev):
+        if prev is None:
+            return v, k
+        best, where = prev
+        take = v >= best if largest else v <= best
+        if is_float(dt):
+            take = tirx.any(tirx.isnan(v), take)
+        return tirx.Select(take, v, best), tirx.Select(take, k, where)
+
+    name = "cummax" if largest else "cummin"
+    out = emit_host_kernel(imp, name, lambda t: _scan_te(t, step, (dtype(data), "int64"), name), data)
+    values = cast(imp, emit(imp, relax.TupleGetItem(out, 0)), dt)
+    indices = emit(imp, relax.TupleGetItem(out, 1))
+    return emit(imp, relax.Tuple([emit(imp, relax.op.reshape(t, xs)) for t in (values, indices)]))
+
+
+def _log_add_exp(a, b):
+    """log(exp(a) + exp(b)) in float64; equal infinities stay themselves (not inf - inf = NaN)."""
+    hi, lo = tirx.max(a, b), tirx.min(a, b)
+    summed = hi + tirx.log1p(tirx.exp(lo - hi))
+    nan = tirx.any(tirx.isnan(a), tirx.isnan(b))
+    return tirx.Select(nan, a + b, tirx.Select(tirx.all(hi == lo, tirx.isinf(hi)), hi, summed))
+
+
+@rule("logcumsumexp.default")
+def logcumsumexp(imp, node):
+    """Running log-sum-exp, accumulated in float64 so a long scan does not drift."""
+    x = env(imp, node.args[0])
+    dt = dtype(x)
+    data = _along(imp, node, x)
+    if data is None:
+        return x
+    if not is_float(dt):
+        raise NotImplementedError(f"logcumsumexp of {dt}")
+    data = cast(imp, data, "float64")
+
+    def step(v, k, prev):
+        return (v,) if prev is None else (_log_add_exp(prev[0], v),)
+
+    # One output: the extern returns a tensor, not a tuple.
+    out = emit_host_kernel(imp, "logcumsumexp", lambda t: _scan_te(t, step, ("float64",), "logcumsumexp"), data)
+    return cast(imp, emit(imp, relax.op.reshape(out, shape(x))), dt)
