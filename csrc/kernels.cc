@@ -1,8 +1,8 @@
 // Native `ratex.lib.*` kernels: the same packed functions as ratex/core/kernels.py, in C++.
 //
 // Compiled programs run on ratex's executor thread while the Python thread traces the
-// next step. The Python kernels need the GIL for every call, so pipelined steps ran their
-// library calls 2.5x slower; these run ATen's kernels without touching Python at all.
+// next step. The Python kernels need the GIL for every call, so each call waits for the
+// tracing thread; these run ATen's kernels without touching Python at all.
 //
 // The calling convention is the Python one (tvm_lowering/ops/library.py and
 // library_dispatch.py emit the calls): tensors first, then the attributes as a JSON

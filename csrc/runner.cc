@@ -1,12 +1,11 @@
 // The native program runner: compiled CPU programs run on a C++ thread that never takes the GIL.
 //
-// ratex overlaps a step's execution with the tracing of the next one. When a Python thread
-// ran the programs, it needed the GIL twice per program (to start it and to hand its
-// outputs back), while the tracing thread holds the GIL all the time except inside torch's
-// op calls, which drop and retake it for every op. Each such drop woke the waiting runner,
-// which mostly lost the race and slept again: at LeNet-5 batch 1 the two threads switched
-// ~14 times a step, and pipelined steps took 1.72-1.84 ms against 1.57-1.61 ms with no
-// overlap at all (RATEX_ASYNC=0). Here the tracing thread launches a run (one ffi call), and collects
+// ratex overlaps a step's execution with the tracing of the next one. A Python thread running
+// the programs needs the GIL twice per program (to start it and to hand its outputs back),
+// while the tracing thread holds the GIL all the time except inside torch's op calls, which
+// drop and retake it for every op. Each such drop wakes the waiting runner, which mostly
+// loses the race and sleeps again: for a small model the context switches cost more than
+// the overlap gains. Here the tracing thread launches a run (one ffi call), and collects
 // its outputs when it next needs them (ratex/core/launch.py); the run itself, the reads of
 // an earlier run's outputs and the buffer bookkeeping happen on this thread, with no Python.
 //
@@ -205,10 +204,10 @@ class Runner {
       std::shared_ptr<Run> run;
       {
         std::unique_lock<std::mutex> lock(mutex_);
-        // Waking a sleeping thread is a system call that cost the launching (tracing) thread
-        // ~20 us a LeNet-5 b1 step here (on a VM, an inter-processor interrupt). So for a
-        // while after its last run the runner looks at the queue every kPoll by itself, and
-        // launch() wakes it only once it has gone to sleep for good.
+        // Waking a sleeping thread is a system call on the launching (tracing) thread, and on
+        // a VM an inter-processor interrupt. So for a while after its last run the runner
+        // looks at the queue every kPoll by itself, and launch() wakes it only once it has
+        // gone to sleep for good.
         auto poll_until = std::chrono::steady_clock::now() + kPollFor;
         while (queue_.empty()) {
           if (std::chrono::steady_clock::now() < poll_until) {
@@ -243,7 +242,7 @@ class Runner {
       }
       // The earlier runs may go now: a run kept alive past this point keeps its outputs, which
       // Python may have dropped (last step's gradients), out of TVM's storage pool, and the
-      // program allocates fresh pages instead (MLP b128: 9.9 -> 25 ms a step, page faults 2 -> 36).
+      // program allocates (and page-faults in) fresh memory instead.
       run.reads.clear();
       std::vector<ffi::AnyView> args(run.inputs.begin(), run.inputs.end());
       ffi::Any result;

@@ -48,8 +48,8 @@ in one step (the nested calls of ratex's own decompositions are shown after a
 '+'): 'dispatch us/op' is the CPU time inside that handler per call, what ratex's
 tracer costs; 'trace us/op' is all the Python thread's CPU time in a step before
 mark_step per call, which also holds what eager PyTorch pays too (the autograd
-engine, the optimizer's Python, torch's dispatcher, about 8 us per call into a
-Python tensor subclass). Then shares of step time: tracing and mark_step (graph
+engine, the optimizer's Python, torch's dispatcher and its call into a Python
+tensor subclass). Then shares of step time: tracing and mark_step (graph
 cut, cache lookup, launch, and waiting for the program before the previous one)
 on the Python thread, and execution (metric 'ExecuteTime') on ratex's executor
 thread. Pipelined, execution overlaps the other two, so the shares may add up to
@@ -60,8 +60,8 @@ programs/step and eager-fallback ops/step show such steps.
 
 Ratex cells run with ENABLE_PARAM_ALIASING=true, as the tutorial trains: a step
 writes parameters and optimizer state into their own buffers, as eager's in-place
-optimizer does (--no-param-aliasing: fresh buffers every step; the MLP's update
-kernels then write 3 new 3-4 MB tensors a step, and its steps take ~15% longer).
+optimizer does (--no-param-aliasing: fresh buffers every step, so the update
+kernels write new tensors as large as the parameters and optimizer state).
 
 Threads: every cell runs with --threads (default 1) OpenMP/MKL/TVM threads and
 torch.set_num_threads. On a shared machine, more threads than free cores make

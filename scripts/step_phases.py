@@ -11,8 +11,8 @@ per mode, after warm-up steps:
 - voluntary context switches per step of each thread that switched (Linux /proc; the tracing
   thread is `python`, the native runner `ratex-runner`). A tracing thread that switches is
   waiting for something (the GIL, a program); the runner switches once per look at its queue
-  (every ~0.1-0.2 ms while idle, for 20 ms after a run) and once per wait for the GIL: counting
-  these is how the runner's GIL waits were found.
+  (it polls for a while after each run) and once per wait for the GIL, so a runner that waits
+  for the GIL shows up here.
 
 bench.py says how fast; this says where the time goes when ratex is the slower one.
 """

@@ -3,6 +3,7 @@ and ratex.jit.script of its Net (dropout included) trains exactly like the plain
 import copy
 import importlib.util
 import pathlib
+import sys
 import warnings
 
 import torch
@@ -10,9 +11,9 @@ import torch
 from ratex import datasets, jit
 from ratex.lazy_tensor_core.debug import metrics
 
-_spec = importlib.util.spec_from_file_location(
-    "mnist_tutorial", pathlib.Path(__file__).parent.parent / "tutorials" / "mnist.py"
-)
+_TUTORIALS = pathlib.Path(__file__).parent.parent / "tutorials"
+sys.path.insert(0, str(_TUTORIALS))  # the tutorial imports its model as when it runs as a script
+_spec = importlib.util.spec_from_file_location("mnist_tutorial", _TUTORIALS / "mnist.py")
 mnist = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(mnist)
 
@@ -29,7 +30,7 @@ def test_matches_cpu_without_dropout(dev):
     torch.manual_seed(0)
     images, labels = datasets.synthetic_mnist(5 * 8)
     batches = list(datasets.batches(images, labels, 8))
-    model = mnist.Net(dropout=False)
+    model = mnist.MnistNet(dropout=False)
     want = _run(copy.deepcopy(model), torch.device("cpu"), batches)
     got = _run(model, dev, batches)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
@@ -39,7 +40,7 @@ def test_loss_goes_down_with_dropout_scripted_or_not(dev):
     torch.manual_seed(0)
     images, labels = datasets.synthetic_mnist(16 * 8)
     batches = list(datasets.batches(images, labels, 8))
-    net = mnist.Net()
+    net = mnist.MnistNet()
     torch.manual_seed(1)  # each run draws its dropout seeds from here on
     losses = _run(copy.deepcopy(net), dev, batches)
     assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 - 0.3, losses

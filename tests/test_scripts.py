@@ -1,8 +1,8 @@
 """The benchmark scripts' plumbing: a cell runs in a fresh process and reports a result.
 
 Timings are the scripts' business, not the tests'; these only check that the
-commands the README gives still run (scripts/tune.py once called bench's cell
-runner with arguments it no longer took, and died before tuning anything).
+commands docs/benchmarks.md gives still run, and that scripts/tune.py calls bench's
+cell runner with the arguments it takes.
 """
 import argparse
 import os

@@ -11,7 +11,6 @@ and the metrics' counter names at the end.
 import argparse
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 from torch.optim.lr_scheduler import StepLR
 
@@ -20,26 +19,7 @@ import ratex.lazy_tensor_core.core.lazy_model as lm
 from ratex import datasets
 from ratex.lazy_tensor_core.debug import metrics
 
-
-class Net(nn.Module):
-    def __init__(self, dropout=True):
-        super().__init__()
-        self.conv1 = nn.Conv2d(1, 32, 3, 1)
-        self.conv2 = nn.Conv2d(32, 64, 3, 1)
-        self.dropout1 = nn.Dropout(0.25 if dropout else 0.0)
-        self.dropout2 = nn.Dropout(0.5 if dropout else 0.0)
-        self.fc1 = nn.Linear(9216, 128)
-        self.fc2 = nn.Linear(128, 10)
-
-    def forward(self, x):
-        x = F.relu(self.conv1(x))
-        x = F.relu(self.conv2(x))
-        x = F.max_pool2d(x, 2)
-        x = self.dropout1(x)
-        x = torch.flatten(x, 1)
-        x = F.relu(self.fc1(x))
-        x = self.dropout2(x)
-        return F.log_softmax(self.fc2(x), dim=1)
+from mnist_models import MnistNet  # tutorials/mnist_models.py
 
 
 def train(log_interval, model, device, batches, optimizer, epoch, losses=None):
@@ -73,7 +53,7 @@ def main(argv=None):
         images, labels = datasets.mnist(args.data)
     else:
         images, labels = datasets.synthetic_mnist(max(args.limit_batches, 1) * args.batch_size)
-    model = Net().to(device)
+    model = MnistNet().to(device)
     optimizer = torch.optim.Adadelta(model.parameters(), lr=1.0)
     scheduler = StepLR(optimizer, step_size=1, gamma=0.7)
     for epoch in range(1, args.epochs + 1):
