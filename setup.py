@@ -50,8 +50,10 @@ class BuildNative(Command):
         target = self._prefix() / LIBRARY
         reason = self._build(work)
         if reason is not None:
-            # A library left from an earlier build would be loaded as if it were this one.
+            # A library left from an earlier build would be loaded as if it were this one; a
+            # failed tree would keep the compiler and flags that failed for the next try.
             target.unlink(missing_ok=True)
+            shutil.rmtree(work, ignore_errors=True)
             print(f"note: native kernels not built ({reason}); ratex will use its Python kernels", file=sys.stderr)
 
     def _build(self, work):

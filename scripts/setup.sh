@@ -36,6 +36,6 @@ if ! native=$(.venv/bin/python setup.py --quiet build_native --inplace 2>&1); th
     exit 1
 fi
 echo "$native" >>"$log"
-if grep -q "^note: native kernels not built" <<<"$native"; then
-    echo "note: native kernels not built (see $log); ratex will use its Python kernels"
+if grep "^note: native kernels not built" <<<"$native"; then
+    echo "  (the build's output: $log)"
 fi
