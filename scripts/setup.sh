@@ -1,23 +1,41 @@
 #!/usr/bin/env bash
-# Create .venv (when missing) and install ratex with its pinned dependencies into it.
+# Create .venv (when missing), install ratex into it (editable, with its pinned dependencies), and
+# build the native library (CMakeLists.txt) into this checkout's ratex/_lib/, rebuilding what changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/python ]; then
     python3 -m venv .venv
 fi
+mkdir -p build
+log=build/setup.log
+: >"$log"
 if ! .venv/bin/python -c "import ratex, pytest" 2>/dev/null; then
     .venv/bin/pip install --quiet --upgrade pip
-    .venv/bin/pip install --quiet -e ".[test]"
-fi
-# The native kernel library (csrc/kernels.cc); ratex runs without it, on its Python kernels.
-if command -v cmake >/dev/null && command -v c++ >/dev/null; then
-    generator=()
-    if command -v ninja >/dev/null; then generator=(-G Ninja); fi
-    mkdir -p build
-    if ! { cmake -S . -B build "${generator[@]}" -DPython_EXECUTABLE="$PWD/.venv/bin/python" >build/setup.log 2>&1 \
-        && cmake --build build >>build/setup.log 2>&1; }; then
-        echo "note: native kernels not built (see build/setup.log); ratex will use its Python kernels"
+    # The native library is compiled against the venv's own torch and tvm-ffi, so the build
+    # requirements (pyproject.toml pins them to the versions ratex runs with) come first and
+    # the build is not isolated.
+    read -ra requires < <(.venv/bin/python -c '
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    from pip._vendor import tomli as tomllib
+with open("pyproject.toml", "rb") as f:
+    print(" ".join(tomllib.load(f)["build-system"]["requires"]))')
+    .venv/bin/pip install --quiet "${requires[@]}"
+    if ! .venv/bin/pip install -v --no-build-isolation -e ".[test]" >>"$log" 2>&1; then
+        tail -n 30 "$log"
+        echo "installing ratex failed (the whole log: $log)" >&2
+        exit 1
     fi
-else
-    echo "note: cmake or a C++ compiler is missing; ratex will use its Python kernels"
+fi
+# After an install this finds nothing to do; it recompiles csrc/ edits, and builds the library of
+# a checkout whose .venv was installed from another one.
+if ! native=$(.venv/bin/python setup.py --quiet build_native --inplace 2>&1); then
+    echo "$native" | tail -n 30
+    echo "building the native library failed unexpectedly" >&2
+    exit 1
+fi
+echo "$native" >>"$log"
+if grep "^note: native kernels not built" <<<"$native"; then
+    echo "  (the build's output: $log)"
 fi

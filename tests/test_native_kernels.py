@@ -1,6 +1,10 @@
 """The native ratex.lib.* kernels (csrc/kernels.cc) compute what the Python ones and CPU PyTorch compute."""
 import copy
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,13 +13,39 @@ import tvm
 import tvm_ffi
 from torch import nn
 
+import ratex
 import ratex.core.kernels as K
 from test_training import train
 
 pytestmark = pytest.mark.skipif(
     K.NATIVE is None,
-    reason="native kernels not loaded (build/libratex_kernels.so missing, or RATEX_NATIVE_KERNELS=0): run scripts/setup.sh",
+    reason=f"native kernels not loaded ({K._NATIVE_PATH} missing, or RATEX_NATIVE_KERNELS=0): run scripts/setup.sh",
 )
+
+
+def _mapped_libraries():
+    """The paths of the native libraries this process has mapped."""
+    with open("/proc/self/maps") as maps:
+        return {Path(line.split()[-1]) for line in maps if line.rstrip().endswith("/libratex_kernels.so")}
+
+
+def test_loaded_from_the_installed_package():
+    # the copy the process mapped, not just the path the loader was given
+    assert _mapped_libraries() == {Path(ratex.__file__).resolve().parent / "_lib" / "libratex_kernels.so"}
+
+
+def test_refuses_a_library_built_for_another_torch(monkeypatch, capsys):
+    built_for = K.NATIVE.RatexNativeTorchVersion().decode()
+    monkeypatch.setattr(torch, "__version__", "0.0.1+other")
+    assert K._load_native() is None
+    assert f"not using the native kernels (built for torch {built_for}, running 0.0.1+other)" in capsys.readouterr().out
+
+
+def test_opt_out_keeps_the_python_kernels():
+    code = "import ratex.core.kernels as K; print(K.NATIVE is None, K._NATIVE_PATH.exists())"
+    env = {**os.environ, "RATEX_NATIVE_KERNELS": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["True", "True"]
 
 
 def _tvm(t):

@@ -9,15 +9,17 @@ fresh allocation. The others hand back a new tensor the same way, never an input
 or a view of one: buffer donation (tvm_lowering/inplace.py) relies on that.
 Transposed operands arrive untransposed with a flag and are passed as strided views.
 
-These Python functions are the fallback: when build/libratex_kernels.so exists
-(csrc/kernels.cc, built by scripts/setup.sh) it replaces them with C++ versions of the
-same names and calling convention. Compiled programs run on the executor thread while
-Python traces the next step, and each Python kernel call has to wait for the GIL
-(LeNet's pipelined steps ran their kernels 2.5x slower); the native ones never take it.
+These Python functions are the fallback: when the native library exists (csrc/kernels.cc,
+built by the install into the package as ratex/_lib/libratex_kernels.so: see setup.py) it
+replaces them with C++ versions of the same names and calling convention. Compiled
+programs run on the executor thread while Python traces the next step, and each Python
+kernel call has to wait for the GIL (LeNet's pipelined steps ran their kernels 2.5x
+slower); the native ones never take it.
 `RATEX_NATIVE_KERNELS=0` keeps the Python kernels.
 """
 import ctypes
 import functools
+import importlib.resources
 import json
 import os
 from pathlib import Path
@@ -184,7 +186,14 @@ for _name, _fn in {
     tvm.register_global_func(f"ratex.lib.{_name}", _fn, override=True)
 
 
-_NATIVE_PATH = Path(__file__).resolve().parents[2] / "build" / "libratex_kernels.so"
+def native_library_path() -> Path:
+    """Where the native library is loaded from (it may be missing): ratex's package data."""
+    # setup.py installs it there: into the wheel, or into the source tree for an editable install.
+    return Path(str(importlib.resources.files("ratex") / "_lib" / "libratex_kernels.so"))
+
+
+_NATIVE_PATH = native_library_path()
+_REBUILD = "rebuild it with scripts/setup.sh in a checkout, or reinstall ratex"
 
 
 def _load_native():
@@ -197,13 +206,13 @@ def _load_native():
     try:
         lib = ctypes.CDLL(str(_NATIVE_PATH))
     except OSError as e:
-        print(f"ratex: not using the native kernels ({e}); run scripts/setup.sh to rebuild them")
+        print(f"ratex: not using the native kernels ({e}); {_REBUILD}")
         return None
     lib.RatexNativeTorchVersion.restype = ctypes.c_char_p
     built_for = lib.RatexNativeTorchVersion().decode()
     if built_for != torch.__version__:
         print(f"ratex: not using the native kernels (built for torch {built_for}, running {torch.__version__}); "
-              "run scripts/setup.sh to rebuild them")
+              f"{_REBUILD}")
         return None
     if lib.RatexRegisterNativeKernels() != 0:
         raise RuntimeError(f"registering the native kernels of {_NATIVE_PATH} failed")
