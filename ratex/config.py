@@ -1,8 +1,15 @@
-"""Environment configuration, validated once at import so bad values fail early.
+"""Every environment variable ratex reads, parsed once at import so bad values fail early.
 
-What `import ratex` changes in the process (threads, memory) is ratex/process.py.
+One rule for booleans: 1/true/yes/on or 0/false/no/off (any case; empty is
+false); anything else raises a ValueError naming the variable, its value and
+what would be right. Reading a setting means reading this module's attribute
+(tests set them at run time); nothing else in ratex reads the environment, and
+tvm_lowering never reads this module: it gets settings as arguments. What
+`import ratex` changes in the process (threads, memory) is ratex/process.py.
 """
 import os
+
+from tvm_lowering import targets
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
@@ -25,7 +32,7 @@ def _flag(name: str, default: bool) -> bool:
         return True
     if value in _FALSE:
         return False
-    raise ValueError(f"{name}={raw!r} is not valid; use true or false")
+    raise ValueError(f"{name}={raw!r} is not valid; use true or false (1/true/yes/on, 0/false/no/off)")
 
 
 def _cache_dir():
@@ -75,7 +82,7 @@ def _tune_trials() -> int:
         trials = -1
     if trials < 0:
         raise ValueError(f"RATEX_TUNE={raw!r} is not valid; use a whole number of tuning trials per kernel (0: off)")
-    if trials and DEVICE != "CPU":
+    if trials and not targets.resolve_target(DEVICE).tunable:
         raise ValueError(f"RATEX_TUNE={raw!r}: tuning is for CPU kernels only, but RATEX_DEVICE={DEVICE}")
     if trials and CACHE_DIR is None:
         raise ValueError(
@@ -85,10 +92,13 @@ def _tune_trials() -> int:
     return trials
 
 
-DEVICE = _choice("RATEX_DEVICE", "CPU", ("CPU", "GPU"))
+# ---- the target and how a program is compiled --------------------------------------------
+DEVICE = _choice("RATEX_DEVICE", "CPU", targets.names())  # a target registered in tvm_lowering/targets.py
 # How heavy ops (matmul, conv) run: TVM-generated code, or the kernel library
-# (PyTorch's kernels called from the compiled program). auto = library on CPU.
-KERNELS = _choice("RATEX_KERNELS", "AUTO", ("AUTO", "TVM", "LIBRARY"))
+# (PyTorch's kernels called from the compiled program). auto = the target's policy.
+KERNELS = _choice("RATEX_KERNELS", "AUTO", tuple(k.upper() for k in targets.KERNELS))
+# ratex's parallel/vectorized schedules for TVM-generated kernels (targets that have them).
+CPU_SCHEDULE = _flag("RATEX_CPU_SCHEDULE", True)
 # Buffer donation: at mark_step, a tensor whose new value the step computes gives
 # its old buffer to that computation, which writes the update in place where
 # tvm_lowering/inplace.py proves it safe (the peak memory of a training step drops
@@ -97,14 +107,25 @@ KERNELS = _choice("RATEX_KERNELS", "AUTO", ("AUTO", "TVM", "LIBRARY"))
 # rolled back like the others but keep the failed value, so reading them raises
 # the step's error again rather than returning a half-updated buffer.
 PARAM_ALIASING = _flag("ENABLE_PARAM_ALIASING", False)
-PROFILE = _flag("RATEX_PROFILE", False)
+
+# ---- how programs run ---------------------------------------------------------------------
+# Programs run on a worker thread, overlapping the tracing of the next step; false runs them inline.
+ASYNC = _flag("RATEX_ASYNC", True)
 # Compiled CPU programs run on the native runner's thread (csrc/runner.cc), which never takes
 # the GIL; false (or no native library) runs them on a Python thread (ratex/core/launch.py).
 NATIVE_RUNNER = _flag("RATEX_NATIVE_RUNNER", True)
-SAVE_IR = os.environ.get("RATEX_SAVE_IR") or None
+# Library kernels from the C++ library (csrc/kernels.cc), which never takes the GIL; false (or no
+# native library) keeps the Python versions of the same kernels (ratex/core/kernels.py).
+NATIVE_KERNELS = _flag("RATEX_NATIVE_KERNELS", True)
+
+# ---- the compile cache ----------------------------------------------------------------------
 CACHE_DIR = _cache_dir()  # None: no persistent compile cache
 CACHE_SIZE_MB = _positive_int("RATEX_CACHE_SIZE_MB", 1024)
 TUNE = _tune_trials()  # 0: apply existing tuning records only
+
+# ---- debugging ------------------------------------------------------------------------------
+PROFILE = _flag("RATEX_PROFILE", False)
+SAVE_IR = os.environ.get("RATEX_SAVE_IR") or None
 
 # ---- the process (applied by ratex/process.py, each with its opt-out) -----------------------
 NUM_THREADS = _positive_int("RATEX_NUM_THREADS", 0)  # torch's thread count; 0: torch's own choice

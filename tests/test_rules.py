@@ -8,7 +8,8 @@ import warnings
 import pytest
 import torch
 
-from ratex.core import executor, sync
+from ratex import config
+from ratex.core import sync
 import torch.nn.functional as F
 
 import ratex  # noqa: F401
@@ -635,7 +636,7 @@ def test_tiny_cnn_end_to_end():
 @pytest.fixture(autouse=True)
 def _tvm_kernels(monkeypatch):
     """Exercise the TVM rules themselves, not the kernel library that CPU uses by default."""
-    monkeypatch.setattr(executor, "use_library", lambda kind: False)
+    monkeypatch.setattr(config, "KERNELS", "TVM")
     sync.reset_cache()  # programs compiled with the library must not be reused here, nor these elsewhere
     yield
     sync.reset_cache()

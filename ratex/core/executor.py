@@ -5,14 +5,12 @@ import os
 import time
 import warnings
 
-import torch
 import tvm
 from tvm import relax
 
 import tvm_lowering
 from tvm_lowering import disk_cache, tuning
-from tvm_lowering.library_dispatch import AUTO_MIN_MACS
-from .. import config
+from .. import config, process
 from . import kernels  # noqa: F401  (registers the ratex.lib.* kernel library)
 from . import metrics, progress
 from .device import backend
@@ -23,12 +21,14 @@ class Program:
     """One compiled graph: a Relax VM function taking leaves, returning roots.
 
     `donate`: the (input, output) pairs whose output may be written into the
-    input's buffer (ENABLE_PARAM_ALIASING; see tvm_lowering/inplace.py).
+    input's buffer (see tvm_lowering/inplace.py). `aliasing`: the program runs
+    where steps donate buffers (ENABLE_PARAM_ALIASING), so each output must
+    own its buffer (see `run`).
     """
 
-    __slots__ = ("fn", "vm", "mod", "executable", "donate", "constant", "label", "empty", "_launcher")
+    __slots__ = ("fn", "vm", "mod", "executable", "donate", "constant", "aliasing", "label", "empty", "_launcher")
 
-    def __init__(self, executable, mod, device, donate=(), constant=()):
+    def __init__(self, executable, mod, device, donate=(), constant=(), aliasing=False):
         """`executable`: a VMExecutable, or a runtime module loaded from the disk cache (mod None).
 
         `constant`: outputs computed from no input (see `constant_roots`)."""
@@ -38,35 +38,36 @@ class Program:
         self.executable = executable
         self.donate = frozenset(donate)
         self.constant = tuple(constant)
+        self.aliasing = aliasing
         self.label = None  # how errors name the graph (sync.py sets it at the first launch)
         self.empty = None  # whether an input has no elements (shapes are fixed: sync sets it at the first launch)
-        self._launcher = None  # (PARAM_ALIASING, launcher or None) once launcher() was asked
+        self._launcher = None  # (launcher or None,) once launcher() was asked
 
     def launcher(self):
         """This program's launcher on the native runner (csrc/runner.cc), or None where it runs
         on the Python executor thread: see `native_launcher`."""
         made = self._launcher
-        if made is None or made[0] != config.PARAM_ALIASING:  # (tests flip the flag at run time)
-            made = self._launcher = (config.PARAM_ALIASING, self.native_launcher(self.fn))
-        return made[1]
+        if made is None:
+            made = self._launcher = (self.native_launcher(self.fn),)
+        return made[0]
 
     def native_launcher(self, fn):
         """A launcher that runs `fn` (this program's function, or one standing in for it) on the
         native runner, with this program's buffer rules (see `run`); None without the native
-        library (or with RATEX_NATIVE_RUNNER=false), on GPU, or with an input without elements
-        (TVM may not take its DLPack strides as compact). `empty` must be known (sync sets it
-        from the graph's leaves)."""
+        library (or with RATEX_NATIVE_RUNNER=false), on a backend without the runner (GPU), or
+        with an input without elements (TVM may not take its DLPack strides as compact).
+        `empty` must be known (sync sets it from the graph's leaves)."""
         prepare = tvm.get_global_func("ratex.runner.prepare", allow_missing=True) if config.NATIVE_RUNNER else None
-        if prepare is None or backend().kind != "CPU" or self.empty is not False:
+        if prepare is None or not backend().native_runner or self.empty is not False:
             return None
         donate = [k for pair in sorted(self.donate) for k in pair]
-        return prepare(fn, config.PARAM_ALIASING, donate, list(self.constant))
+        return prepare(fn, self.aliasing, donate, list(self.constant))
 
     def run(self, inputs: list) -> list:
         """Run on device data `inputs`; return device data, one per root."""
         be = backend()
         outs = be.call(self.fn, inputs, self.empty)
-        if config.PARAM_ALIASING:
+        if self.aliasing:
             for j in self.constant:  # a folded constant: the same buffer every run; donating it would change it
                 outs[j] = be.copy(outs[j])
             _own_buffers(be, inputs, outs, self.donate)
@@ -112,56 +113,43 @@ def _own_buffers(be, inputs: list, outs: list, donate: frozenset):
             metrics.counter_inc("AliasedOutputCopy")
 
 
-def use_library(kind: str) -> bool:
-    """Whether matmul/conv go to the kernel library (ratex/core/kernels.py) on this target:
-    PyTorch's CPU kernels on CPU; on GPU its CUDA kernels (cuBLAS, cuDNN), where this torch
-    has CUDA."""
-    if config.KERNELS not in ("AUTO", "LIBRARY"):
-        return False
-    return kind == "CPU" or torch.cuda.is_available()
+def compile_options(be=None) -> tvm_lowering.Options:
+    """Return the compile options of the backend's target (default: the configured one) under the
+    current RATEX_KERNELS and RATEX_CPU_SCHEDULE (read now: tests change them)."""
+    be = be if be is not None else backend()
+    return be.target.options(config.KERNELS.lower(), be.library_runs, config.CPU_SCHEDULE)
 
 
-def library_min_macs(kind: str) -> int:
-    """The smallest matmul/conv (multiply-adds) sent to the library: `auto` keeps small ones
-    as TVM code on CPU (see tvm_lowering/library_dispatch.py AUTO_MIN_MACS), `library` sends all.
-    On GPU `auto` sends all too: TVM's default CUDA schedule for a convolution is a plain loop
-    nest per thread (LeNet-5 b64's step ran 3-4x eager CUDA's), and small sizes were not measured apart."""
-    return AUTO_MIN_MACS if config.KERNELS == "AUTO" and kind == "CPU" else 0
-
-
-def compile_graph(graph: Graph, donate=()) -> Program:
+def compile_graph(graph: Graph, donate=(), aliasing: bool = False) -> Program:
     """Lower and compile `graph` for the configured target (raises LoweringError).
 
     `donate`: (leaf, root) index pairs where the root is the new value of the
     leaf's tensor, so the update may be written into the leaf's buffer.
     """
     with progress.compiling(f"a graph of {len(graph.nodes)} ops"):
-        return _compile(graph, tuple(donate))
+        return _compile(graph, tuple(donate), aliasing)
 
 
-def _compile(graph: Graph, donate: tuple) -> Program:
+def _compile(graph: Graph, donate: tuple, aliasing: bool) -> Program:
     be = backend()
+    options = compile_options(be)
     with metrics.timed("LowerTime"):
-        library = use_library(be.target.kind)
-        min_macs = library_min_macs(be.target.kind)
         mod = tvm_lowering.import_graph(
-            to_fx(graph), library=library, host_kernels=be.target.kind == "CPU", library_min_macs=min_macs
+            to_fx(graph), library=options.library, host_kernels=be.target.host_kernels,
+            library_min_macs=options.library_min_macs,
         )
     cache = _disk_cache()
-    name = _entry_name(cache, cache_key(graph, donate)) if cache is not None else None
+    name = _entry_name(cache, cache_key(graph, donate, aliasing), options) if cache is not None else None
     dev = be.target.device()
     donated = []
     tuner = _tuner()
     report = tuning.Report()
     kernel_pass = tuner.pass_(report, _tuning) if tuner is not None else None
     with metrics.timed("CompileTime"):
-        executable = tvm_lowering.build(
-            mod, be.target, library=library, donate=donate, donated=donated, kernel_pass=kernel_pass,
-            library_min_macs=min_macs,
-        )
+        executable = tvm_lowering.build(mod, be.target, options, donate=donate, donated=donated, kernel_pass=kernel_pass)
         # Making the VM JIT-links the code in memory, which costs about as much as the build.
         # With a persistent cache the library is exported (linked) once and loaded instead.
-        program = Program(executable, mod, dev, donate, constant_roots(graph)) if name is None else None
+        program = Program(executable, mod, dev, donate, constant_roots(graph), aliasing) if name is None else None
     if donated:
         metrics.counter_inc("DonatedBuffers", len(donated))
     if config.SAVE_IR:
@@ -170,13 +158,14 @@ def _compile(graph: Graph, donate: tuple) -> Program:
         metrics.counter_inc("TunedKernelsApplied", report.applied)
     if program is None:
         lib = _store(cache, name, graph, executable, report.kernels)
-        program = Program(lib if lib is not None else executable, mod, dev, donate, constant_roots(graph))
+        program = Program(lib if lib is not None else executable, mod, dev, donate, constant_roots(graph), aliasing)
     return program
 
 
-def cache_key(graph: Graph, donate: tuple):
-    """The compile-cache key of `graph` compiled with donations `donate` (ENABLE_PARAM_ALIASING)."""
-    return ("aliasing", graph.key, donate) if config.PARAM_ALIASING else graph.key
+def cache_key(graph: Graph, donate: tuple, aliasing: bool):
+    """The compile-cache key of `graph` compiled with donations `donate`, for steps that donate
+    buffers (`aliasing`) or not."""
+    return ("aliasing", graph.key, donate) if aliasing else graph.key
 
 
 def graph_hash(graph: Graph) -> str:
@@ -214,7 +203,7 @@ def _save_ir(graph: Graph, mod, donated):
 
 # ---- persistent cache (RATEX_CACHE_DIR) --------------------------------------------
 _disk = {}  # (dir, size limit) -> DiskCache
-_last_name = (None, None)  # (graph key, entry name): a miss looks the name up twice
+_last_name = (None, None, None)  # (graph key, options, entry name): a miss looks the name up twice
 
 
 def _disk_cache():
@@ -236,11 +225,7 @@ def _disk_cache():
             os.path.join(os.path.dirname(here), "jit.py"),
         ])
         be = backend()
-        salt = "|".join([
-            f"tvm={tvm.__version__}", f"target={be.target.key}", f"ratex={ratex.__version__}",
-            f"code={code}", f"aliasing={config.PARAM_ALIASING}", f"kernels={getattr(config, 'KERNELS', None)}",
-            f"cpu_schedule={os.environ.get('RATEX_CPU_SCHEDULE', '1')}",
-        ])
+        salt = "|".join([f"tvm={tvm.__version__}", f"target={be.target.key}", f"ratex={ratex.__version__}", f"code={code}"])
         cache = _disk[(root, limit)] = disk_cache.DiskCache(root, limit, salt)
     return cache
 
@@ -252,7 +237,7 @@ _tuners = {}  # (cache dir, target key, trials) -> tuning.Tuner
 def _tuner():
     """The tuning database of this target inside the cache dir (None when the disk cache is off)."""
     root = config.CACHE_DIR
-    if not root or backend().target.kind != "CPU":
+    if not root or not backend().target.tunable:
         return None
     target = backend().target
     key = (root, target.key, config.TUNE)
@@ -260,7 +245,8 @@ def _tuner():
     if tuner is None:
         # Records are replayed schedules: they are only good for the TVM and target that made them.
         tag = hashlib.sha256(f"{tvm.__version__}|{target.key}".encode()).hexdigest()[:16]
-        tuner = _tuners[key] = tuning.Tuner(os.path.join(root, "tuning", tag), target.tvm, config.TUNE)
+        tuner = _tuners[key] = tuning.Tuner(os.path.join(root, "tuning", tag), target.tvm, config.TUNE,
+                                            process.TVM_THREADS)
     return tuner
 
 
@@ -272,21 +258,22 @@ def _tuning(count: int):
     metrics.counter_inc("TunedKernels", count)
 
 
-def _entry_name(cache, key):
+def _entry_name(cache, key, options):
+    """The entry name of `key` compiled with `options` (settings that change the code)."""
     global _last_name
-    if _last_name[0] is key:
-        return _last_name[1]
-    name = cache.name(key)
-    _last_name = (key, name)
+    if _last_name[0] is key and _last_name[1] == options:
+        return _last_name[2]
+    name = cache.name((repr(options), key))
+    _last_name = (key, options, name)
     return name
 
 
-def load_program(graph: Graph, donate=()):
+def load_program(graph: Graph, donate=(), aliasing: bool = False):
     """Return the program of `graph` (compiled with donations `donate`) from the persistent cache, or None."""
     cache = _disk_cache()
     if cache is None:
         return None
-    name = _entry_name(cache, cache_key(graph, tuple(donate)))
+    name = _entry_name(cache, cache_key(graph, tuple(donate), aliasing), compile_options())
     if name is None:
         return None
     tuner = _tuner()
@@ -296,7 +283,7 @@ def load_program(graph: Graph, donate=()):
         lib = cache.load(name, accept=accept)
         if lib is None:
             return None
-        program = Program(lib, None, backend().target.device(), donate, constant_roots(graph))
+        program = Program(lib, None, backend().target.device(), donate, constant_roots(graph), aliasing)
     metrics.counter_inc("PersistentCacheHit")
     return program
 

@@ -19,13 +19,13 @@ Python traces the next step, and each Python kernel call has to wait for the GIL
 import ctypes
 import functools
 import json
-import os
 from pathlib import Path
 
 import torch
 import tvm
 
 from .. import config
+from .device import BACKENDS
 
 aten = torch.ops.aten
 
@@ -190,10 +190,8 @@ _NATIVE_PATH = Path(__file__).resolve().parents[2] / "build" / "libratex_kernels
 def _load_native():
     """The native kernel library, registered over the Python kernels; None when it is
     turned off, not built, or built for another torch (its ATen ABI may differ)."""
-    if os.environ.get("RATEX_NATIVE_KERNELS", "1") == "0" or not _NATIVE_PATH.exists():
+    if not config.NATIVE_KERNELS or not BACKENDS[config.DEVICE].native_kernels or not _NATIVE_PATH.exists():
         return None
-    if config.DEVICE != "CPU":
-        return None  # they hand back CPU tensors; on GPU the Python kernels run torch's CUDA ones
     try:
         lib = ctypes.CDLL(str(_NATIVE_PATH))
     except OSError as e:

@@ -55,27 +55,29 @@ def pending_storages() -> list:
 _depth = 0  # execute() nests (eager fallbacks); only the outermost call is a "Sync" span
 
 
-def execute(values: list, overwrites=()):
+def execute(values: list, written=()):
     """Compute every value in `values` (pairs (node, index)) and keep the results on the nodes.
 
-    `overwrites`: (new value, old value) pairs of tensors that the values
-    replace; with ENABLE_PARAM_ALIASING the old value's buffer may receive the
-    new one (see `donations`).
+    `written`: the storages whose new values these are. Where steps donate
+    buffers (ENABLE_PARAM_ALIASING, read here and nowhere else in a step), a
+    storage's old buffer may receive its new value (see `donations`).
     """
     global _depth
+    aliasing = config.PARAM_ALIASING
     if _depth:
-        return _execute(values, overwrites)
+        return _execute(values, written, aliasing)
     launch.raise_failures()
     _depth += 1
     try:
         with metrics.span("Sync"):
-            return _execute(values, overwrites)
+            return _execute(values, written, aliasing)
     finally:
         _depth -= 1
 
 
-def donations(graph, overwrites) -> tuple:
-    """(leaf, root) index pairs of `graph` where the root replaces the tensor whose old value is the leaf.
+def donations(graph, written) -> tuple:
+    """(leaf, root) index pairs of `graph` where the root is the new value of a storage in `written`
+    and the leaf its old value.
 
     Each old value has one owner: clones copy (ops._clone) and programs give
     every output its own buffer (Program.run), so no other live tensor reads the
@@ -85,9 +87,10 @@ def donations(graph, overwrites) -> tuple:
     root_at = {value: k for k, value in enumerate(graph.roots)}
     shared = _shared_leaves(graph.leaves)
     pairs, taken = [], set()
-    for new, old in overwrites:
+    for st in written:
+        old = st.prev
         leaf = leaf_at.get(old) if old is not None else None
-        root = root_at.get(new)
+        root = root_at.get(st.value)
         if leaf is not None and root is not None and leaf not in taken and leaf not in shared:
             taken.add(leaf)
             pairs.append((leaf, root))
@@ -116,18 +119,18 @@ def _shared_leaves(leaves) -> set:
     return {pos for pos, ks in enumerate(keys) if any(count[k] > 1 for k in ks)}
 
 
-def _execute(values: list, overwrites=()):
+def _execute(values: list, written, aliasing: bool):
     while True:
         roots = list(dict.fromkeys(v for v in values if v[0].results[v[1]] is None))
         if not roots:
             return
         graph = cut(roots)
-        donate = donations(graph, overwrites) if overwrites else ()
-        key = cache_key(graph, donate)
+        donate = donations(graph, written) if aliasing and written else ()
+        key = cache_key(graph, donate, aliasing)
         program = _cache.get(key)
         if program is None:
             launch.drain()  # no compiling or loading while a program runs: TVM's codegen isn't safe next to it
-        if program is None and (program := load_program(graph, donate)) is not None:
+        if program is None and (program := load_program(graph, donate, aliasing)) is not None:
             _cache.put(key, program)  # from the persistent cache (RATEX_CACHE_DIR)
         elif program is None:
             stuck = [n for n in graph.nodes if n.key in unlowerable or not tvm_lowering.has_rule(op_name(n.op))]
@@ -136,7 +139,7 @@ def _execute(values: list, overwrites=()):
                     run_eagerly(node)
                 continue
             try:
-                program = compile_graph(graph, donate)
+                program = compile_graph(graph, donate, aliasing)
             except tvm_lowering.LoweringError as err:
                 node = err.node.meta.get("ratex_node")
                 if node is None:
@@ -225,8 +228,7 @@ def mark_step():
         _pending.clear()
         _compact_at = _COMPACT_MIN  # a threshold a long run raised ends with it
         with launch.rollback_point([(st, st.prev) for st in storages]):
-            overwrites = [(st.value, st.prev) for st in storages] if config.PARAM_ALIASING else ()
-            execute([st.value for st in storages], overwrites)
+            execute([st.value for st in storages], storages)
         for st in storages:
             st.rebind()
     if _step_closures:
