@@ -76,10 +76,10 @@ def _program_figures(args):
     config.PARAM_ALIASING = True
     model, opt = _train(args)
     import tvm_lowering
-    from ratex.core import executor, sync
+    from ratex.core import executor
     from ratex.core.device import backend
 
-    keyed = [(key, prog) for key, prog in sync._cache._entries.items() if prog.mod is not None]
+    keyed = [(key, prog) for key, prog in executor.CACHE.entries() if prog.mod is not None]
     key, program = max(keyed, key=lambda kp: len(kp[1].mod["main"].params))
     donate = tuple(sorted(program.donate))
     target, options = backend().target, executor.compile_options()

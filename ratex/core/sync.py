@@ -11,14 +11,13 @@ from .. import config
 from . import launch, metrics
 from .launch import ExecutionError, Pending, resolve  # noqa: F401  (the sync API)
 from .device import backend
-from .executor import cache_key, compile_graph, load_program
+from .executor import CACHE, cache_key, compile_graph, load_program
 from .graph import cut
 from .ir import Node, fill, op_name
 
 # Storages whose value may still be uncomputed, in the order they became pending:
 # a deterministic root order keeps the graph key stable from step to step.
 _pending = []  # weak references, in order; compacted when long (see track)
-_cache = tvm_lowering.CompileCache()
 unlowerable = set()  # node keys whose rule failed: such ops run eagerly from now on
 
 
@@ -127,11 +126,11 @@ def _execute(values: list, written, aliasing: bool):
         graph = cut(roots)
         donate = donations(graph, written) if aliasing and written else ()
         key = cache_key(graph, donate, aliasing)
-        program = _cache.get(key)
+        program = CACHE.get(key)
         if program is None:
             launch.drain()  # no compiling or loading while a program runs: TVM's codegen isn't safe next to it
-        if program is None and (program := load_program(graph, donate, aliasing)) is not None:
-            _cache.put(key, program)  # from the persistent cache (RATEX_CACHE_DIR)
+        if program is None and (program := load_program(graph, key, donate, aliasing)) is not None:
+            CACHE.put(key, program)  # from the persistent cache (RATEX_CACHE_DIR)
         elif program is None:
             stuck = [n for n in graph.nodes if n.key in unlowerable or not tvm_lowering.has_rule(op_name(n.op))]
             if stuck:  # e.g. a view op without a rule: compute it eagerly, then cut again
@@ -139,7 +138,7 @@ def _execute(values: list, written, aliasing: bool):
                     run_eagerly(node)
                 continue
             try:
-                program = compile_graph(graph, donate, aliasing)
+                program = compile_graph(graph, key, donate, aliasing)
             except tvm_lowering.LoweringError as err:
                 node = err.node.meta.get("ratex_node")
                 if node is None:
@@ -159,7 +158,7 @@ def _execute(values: list, written, aliasing: bool):
                 run_eagerly(node)
                 continue
             metrics.counter_inc("UncachedCompile")
-            _cache.put(key, program)
+            CACHE.put(key, program)
         else:
             metrics.counter_inc("CachedCompile")
         inputs = [node.results[idx] for node, idx in graph.leaves]
@@ -246,6 +245,6 @@ def wait_device_ops():
 
 
 def reset_cache():
-    """Forget every compiled program (tests use this to count compiles)."""
-    _cache.clear()
+    """Forget every compiled program in memory (tests use this to count compiles)."""
+    CACHE.clear()
 
