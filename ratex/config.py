@@ -44,44 +44,24 @@ def _cache_dir():
     return os.path.abspath(os.path.expanduser(raw)) if raw else None  # "" disables the disk cache
 
 
-def _positive_int(name: str, default: int) -> int:
+def _count(name: str, default, least: int = 1, what: str = "a positive whole number"):
+    """The variable as a whole number of at least `least`, or `default` where it is unset or empty."""
     raw = os.environ.get(name)
     if raw is None or not raw.strip():
         return default
     try:
         value = int(raw)
     except ValueError:
-        value = 0
-    if value <= 0:
-        raise ValueError(f"{name}={raw!r} is not valid; use a positive whole number")
-    return value
-
-
-def _whole(name: str):
-    """A count of 0 or more, or None where the variable is unset or empty."""
-    raw = os.environ.get(name)
-    if raw is None or not raw.strip():
-        return None
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise ValueError(f"{name}={raw!r} is not valid; use a whole number")
+        value = least - 1
+    if value < least:
+        raise ValueError(f"{name}={raw!r} is not valid; use {what}")
     return value
 
 
 def _tune_trials() -> int:
     """RATEX_TUNE: MetaSchedule trials per new kernel (0: no tuning); records live in the cache dir."""
+    trials = _count("RATEX_TUNE", 0, 0, "a whole number of tuning trials per kernel (0: off)")
     raw = os.environ.get("RATEX_TUNE")
-    if raw is None or not raw.strip():
-        return 0
-    try:
-        trials = int(raw)
-    except ValueError:
-        trials = -1
-    if trials < 0:
-        raise ValueError(f"RATEX_TUNE={raw!r} is not valid; use a whole number of tuning trials per kernel (0: off)")
     if trials and not targets.resolve_target(DEVICE).tunable:
         raise ValueError(f"RATEX_TUNE={raw!r}: tuning is for CPU kernels only, but RATEX_DEVICE={DEVICE}")
     if trials and CACHE_DIR is None:
@@ -120,7 +100,7 @@ NATIVE_KERNELS = _flag("RATEX_NATIVE_KERNELS", True)
 
 # ---- the compile cache ----------------------------------------------------------------------
 CACHE_DIR = _cache_dir()  # None: no persistent compile cache
-CACHE_SIZE_MB = _positive_int("RATEX_CACHE_SIZE_MB", 1024)
+CACHE_SIZE_MB = _count("RATEX_CACHE_SIZE_MB", 1024)
 TUNE = _tune_trials()  # 0: apply existing tuning records only
 
 # ---- debugging ------------------------------------------------------------------------------
@@ -128,9 +108,9 @@ PROFILE = _flag("RATEX_PROFILE", False)
 SAVE_IR = os.environ.get("RATEX_SAVE_IR") or None
 
 # ---- the process (applied by ratex/process.py, each with its opt-out) -----------------------
-NUM_THREADS = _positive_int("RATEX_NUM_THREADS", 0)  # torch's thread count; 0: torch's own choice
+NUM_THREADS = _count("RATEX_NUM_THREADS", 0)  # torch's thread count; 0: torch's own choice
 SHARE_THREADS = _flag("RATEX_SHARE_THREADS", True)  # TVM's pool gets torch's thread count
-TVM_NUM_THREADS = _whole("TVM_NUM_THREADS")  # TVM's own variable: a count you set wins; None: unset
+TVM_NUM_THREADS = _count("TVM_NUM_THREADS", None, 0, "a whole number")  # TVM's own variable: a count you set wins; None: unset
 TVM_POOL_YIELD = _flag("RATEX_TVM_POOL_YIELD", True)  # TVM's idle workers sleep and are not pinned
 RETAIN_MEMORY = _flag("RATEX_RETAIN_MEMORY", True)  # glibc keeps freed memory for the next step
 TORCH_LAZY_STEP = _flag("RATEX_TORCH_LAZY_STEP", True)  # torch._lazy.mark_step drives ratex
