@@ -6,7 +6,7 @@ What the import changes in the process is listed in ratex/process.py.
 """
 __version__ = "0.1.0"  # before the core loads: the compile cache salts its entries with it
 
-from . import config  # noqa: E402  (parses every RATEX_* environment variable; a bad value raises here)
+from . import config  # noqa: E402,F401  (parses every RATEX_* environment variable; a bad value raises here)
 from . import process  # noqa: E402
 
 process.apply()  # before TVM's thread pool starts: it reads the variables this sets

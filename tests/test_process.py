@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+import torch._lazy
 
 from ratex.lazy_tensor_core.debug import metrics
 
@@ -113,8 +114,6 @@ def test_bad_values_fail_at_import_naming_the_variable(var, value):
 
 
 def test_torch_lazy_step_api_drives_ratex(dev):
-    import torch._lazy
-
     y = torch.ones(2, device=dev) * 3
     torch._lazy.mark_step()
     torch._lazy.wait_device_ops()

@@ -159,11 +159,16 @@ def _cuda_arch() -> str:
     return f"sm_{major}{minor}"
 
 
-@functools.lru_cache(maxsize=None)
-def backend():
-    """Return the backend of the RATEX_DEVICE target (created on first use)."""
+def backend_class():
+    """Return the backend class registered for the RATEX_DEVICE target."""
     cls = BACKENDS.get(config.DEVICE)
     if cls is None:
         raise RuntimeError(f"RATEX_DEVICE={config.DEVICE}: no backend is registered for this target "
                            f"in ratex/core/device.py (registered: {', '.join(BACKENDS)})")
-    return cls()
+    return cls
+
+
+@functools.lru_cache(maxsize=None)
+def backend():
+    """Return the backend of the RATEX_DEVICE target (created on first use)."""
+    return backend_class()()

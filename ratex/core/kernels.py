@@ -25,7 +25,7 @@ import torch
 import tvm
 
 from .. import config
-from .device import BACKENDS
+from .device import backend_class
 
 aten = torch.ops.aten
 
@@ -190,7 +190,7 @@ _NATIVE_PATH = Path(__file__).resolve().parents[2] / "build" / "libratex_kernels
 def _load_native():
     """The native kernel library, registered over the Python kernels; None when it is
     turned off, not built, or built for another torch (its ATen ABI may differ)."""
-    if not config.NATIVE_KERNELS or not BACKENDS[config.DEVICE].native_kernels or not _NATIVE_PATH.exists():
+    if not config.NATIVE_KERNELS or not backend_class().native_kernels or not _NATIVE_PATH.exists():
         return None
     try:
         lib = ctypes.CDLL(str(_NATIVE_PATH))
