@@ -1,7 +1,15 @@
-"""Environment configuration, validated once at import so bad values fail early."""
-import ctypes
+"""Every environment variable ratex reads, parsed once at import so bad values fail early.
+
+One rule for booleans: 1/true/yes/on or 0/false/no/off (any case; empty is
+false); anything else raises a ValueError naming the variable, its value and
+what would be right. Reading a setting means reading this module's attribute
+(tests set them at run time); nothing else in ratex reads the environment, and
+tvm_lowering never reads this module: it gets settings as arguments. What
+`import ratex` changes in the process (threads, memory) is ratex/process.py.
+"""
 import os
-import sys
+
+from tvm_lowering import targets
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
@@ -24,7 +32,7 @@ def _flag(name: str, default: bool) -> bool:
         return True
     if value in _FALSE:
         return False
-    raise ValueError(f"{name}={raw!r} is not valid; use true or false")
+    raise ValueError(f"{name}={raw!r} is not valid; use true or false (1/true/yes/on, 0/false/no/off)")
 
 
 def _cache_dir():
@@ -36,31 +44,25 @@ def _cache_dir():
     return os.path.abspath(os.path.expanduser(raw)) if raw else None  # "" disables the disk cache
 
 
-def _positive_int(name: str, default: int) -> int:
+def _count(name: str, default, least: int = 1, what: str = "a positive whole number"):
+    """The variable as a whole number of at least `least`, or `default` where it is unset or empty."""
     raw = os.environ.get(name)
     if raw is None or not raw.strip():
         return default
     try:
         value = int(raw)
     except ValueError:
-        value = 0
-    if value <= 0:
-        raise ValueError(f"{name}={raw!r} is not valid; use a positive whole number")
+        value = least - 1
+    if value < least:
+        raise ValueError(f"{name}={raw!r} is not valid; use {what}")
     return value
 
 
 def _tune_trials() -> int:
     """RATEX_TUNE: MetaSchedule trials per new kernel (0: no tuning); records live in the cache dir."""
+    trials = _count("RATEX_TUNE", 0, 0, "a whole number of tuning trials per kernel (0: off)")
     raw = os.environ.get("RATEX_TUNE")
-    if raw is None or not raw.strip():
-        return 0
-    try:
-        trials = int(raw)
-    except ValueError:
-        trials = -1
-    if trials < 0:
-        raise ValueError(f"RATEX_TUNE={raw!r} is not valid; use a whole number of tuning trials per kernel (0: off)")
-    if trials and DEVICE != "CPU":
+    if trials and not targets.resolve_target(DEVICE).tunable:
         raise ValueError(f"RATEX_TUNE={raw!r}: tuning is for CPU kernels only, but RATEX_DEVICE={DEVICE}")
     if trials and CACHE_DIR is None:
         raise ValueError(
@@ -70,59 +72,13 @@ def _tune_trials() -> int:
     return trials
 
 
-DEVICE = _choice("RATEX_DEVICE", "CPU", ("CPU", "GPU"))
+# ---- the target and how a program is compiled --------------------------------------------
+DEVICE = _choice("RATEX_DEVICE", "CPU", targets.names())  # a target registered in tvm_lowering/targets.py
 # How heavy ops (matmul, conv) run: TVM-generated code, or the kernel library
-# (PyTorch's kernels called from the compiled program). auto = library on CPU.
-KERNELS = _choice("RATEX_KERNELS", "AUTO", ("AUTO", "TVM", "LIBRARY"))
-# TVM pins its worker threads to cores by default; next to torch's own pool
-# (library kernels run in-process) the two fight for the cores.
-os.environ.setdefault("TVM_BIND_THREADS", "0")
-# TVM's idle workers spin (300,000 polls) before they sleep, holding a core that torch's
-# pool (library kernels) and the thread tracing the next step need. On 2 cores that
-# turned LeNet-5's 2.2 ms program into bursts of 30-140 ms every 20-40 steps (the
-# tutorial at batch 32, 2 threads); with workers that sleep at once it stays at 2-2.5 ms.
-os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", "0")
-# One thread budget: a compiled program runs TVM kernels on TVM's pool and library
-# kernels on torch's, one after the other, so both get the same number of threads:
-# RATEX_NUM_THREADS when set, else torch's (OMP_NUM_THREADS or the core count).
-# TVM_NUM_THREADS, when the user set it, is left alone.
-NUM_THREADS = _positive_int("RATEX_NUM_THREADS", 0)
-
-
-def _share_threads():
-    import torch  # noqa: PLC0415  (config is imported before anything else of ratex)
-
-    if NUM_THREADS:
-        torch.set_num_threads(NUM_THREADS)
-    os.environ.setdefault("TVM_NUM_THREADS", str(torch.get_num_threads()))
-
-
-_share_threads()
-# Freed CPU buffers stay with the process, as CUDA's caching allocator keeps device memory.
-# With glibc's defaults a freed block of a few MB goes back to the OS (munmap, or a trim of
-# the executor thread's heap), and the next step page-faults its activations in again:
-# MNIST Net b64 took 13,700 faults per step, 16-25 ms of a 70-74 ms step. Above 32 MB blocks are still
-# mapped and unmapped; up to 256 MB of free memory stays at the top of each heap.
-# RATEX_RETAIN_MEMORY=false, or a MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ of
-# your own, keeps glibc's behaviour.
-RETAIN_MEMORY = _flag("RATEX_RETAIN_MEMORY", True)
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
-
-
-def _retain_freed_memory() -> bool:
-    """Raise glibc's mmap and trim thresholds; whether they were set."""
-    if not RETAIN_MEMORY or not sys.platform.startswith("linux"):
-        return False
-    if "MALLOC_MMAP_THRESHOLD_" in os.environ or "MALLOC_TRIM_THRESHOLD_" in os.environ:
-        return False
-    try:
-        mallopt = ctypes.CDLL("libc.so.6").mallopt
-    except (OSError, AttributeError):  # not glibc
-        return False
-    return bool(mallopt(_M_MMAP_THRESHOLD, 32 << 20)) and bool(mallopt(_M_TRIM_THRESHOLD, 256 << 20))
-
-
-MEMORY_RETAINED = _retain_freed_memory()
+# (PyTorch's kernels called from the compiled program). auto = the target's policy.
+KERNELS = _choice("RATEX_KERNELS", "AUTO", tuple(k.upper() for k in targets.KERNELS))
+# ratex's parallel/vectorized schedules for TVM-generated kernels (targets that have them).
+CPU_SCHEDULE = _flag("RATEX_CPU_SCHEDULE", True)
 # Buffer donation: at mark_step, a tensor whose new value the step computes gives
 # its old buffer to that computation, which writes the update in place where
 # tvm_lowering/inplace.py proves it safe (the peak memory of a training step drops
@@ -131,11 +87,30 @@ MEMORY_RETAINED = _retain_freed_memory()
 # rolled back like the others but keep the failed value, so reading them raises
 # the step's error again rather than returning a half-updated buffer.
 PARAM_ALIASING = _flag("ENABLE_PARAM_ALIASING", False)
-PROFILE = _flag("RATEX_PROFILE", False)
+
+# ---- how programs run ---------------------------------------------------------------------
+# Programs run on a worker thread, overlapping the tracing of the next step; false runs them inline.
+ASYNC = _flag("RATEX_ASYNC", True)
 # Compiled CPU programs run on the native runner's thread (csrc/runner.cc), which never takes
 # the GIL; false (or no native library) runs them on a Python thread (ratex/core/launch.py).
 NATIVE_RUNNER = _flag("RATEX_NATIVE_RUNNER", True)
-SAVE_IR = os.environ.get("RATEX_SAVE_IR") or None
+# Library kernels from the C++ library (csrc/kernels.cc), which never takes the GIL; false (or no
+# native library) keeps the Python versions of the same kernels (ratex/core/kernels.py).
+NATIVE_KERNELS = _flag("RATEX_NATIVE_KERNELS", True)
+
+# ---- the compile cache ----------------------------------------------------------------------
 CACHE_DIR = _cache_dir()  # None: no persistent compile cache
-CACHE_SIZE_MB = _positive_int("RATEX_CACHE_SIZE_MB", 1024)
+CACHE_SIZE_MB = _count("RATEX_CACHE_SIZE_MB", 1024)
 TUNE = _tune_trials()  # 0: apply existing tuning records only
+
+# ---- debugging ------------------------------------------------------------------------------
+PROFILE = _flag("RATEX_PROFILE", False)
+SAVE_IR = os.environ.get("RATEX_SAVE_IR") or None
+
+# ---- the process (applied by ratex/process.py, each with its opt-out) -----------------------
+NUM_THREADS = _count("RATEX_NUM_THREADS", 0)  # torch's thread count; 0: torch's own choice
+SHARE_THREADS = _flag("RATEX_SHARE_THREADS", True)  # TVM's pool gets torch's thread count
+TVM_NUM_THREADS = _count("TVM_NUM_THREADS", None, 0, "a whole number")  # TVM's own variable: a count you set wins; None: unset
+TVM_POOL_YIELD = _flag("RATEX_TVM_POOL_YIELD", True)  # TVM's idle workers sleep and are not pinned
+RETAIN_MEMORY = _flag("RATEX_RETAIN_MEMORY", True)  # glibc keeps freed memory for the next step
+TORCH_LAZY_STEP = _flag("RATEX_TORCH_LAZY_STEP", True)  # torch._lazy.mark_step drives ratex

@@ -76,15 +76,15 @@ def _program_figures(args):
     config.PARAM_ALIASING = True
     model, opt = _train(args)
     import tvm_lowering
-    from ratex.core import executor, sync
+    from ratex.core import executor
     from ratex.core.device import backend
 
-    keyed = [(key, prog) for key, prog in sync._cache._entries.items() if prog.mod is not None]
+    keyed = [(key, prog) for key, prog in executor.CACHE.entries() if prog.mod is not None]
     key, program = max(keyed, key=lambda kp: len(kp[1].mod["main"].params))
     donate = tuple(sorted(program.donate))
-    target, library = backend().target, executor.use_library(backend().target.kind)
-    on = tvm_lowering.pipeline.memory_plan(program.mod, target, library, donate)
-    off = tvm_lowering.pipeline.memory_plan(program.mod, target, library, ())
+    target, options = backend().target, executor.compile_options()
+    on = tvm_lowering.pipeline.memory_plan(program.mod, target, options, donate)
+    off = tvm_lowering.pipeline.memory_plan(program.mod, target, options, ())
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     state = sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
                 if hasattr(v, "device") and v.device.type == "lazy")

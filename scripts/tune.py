@@ -33,6 +33,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench  # noqa: E402  (runs the cells)
 from bench_models import MODELS  # noqa: E402
 
+_ENVIRON = dict(os.environ)  # as the user set it: importing ratex sets TVM's thread variables
+from ratex import config  # noqa: E402  (RATEX_CACHE_DIR as ratex reads it)
+
 CONFIGS = [  # name, system, RATEX_KERNELS, whether it uses the tuning records in --cache-dir
     ("untuned", "ratex_lazy", "tvm", False),
     ("tuned", "ratex_lazy", "tvm", True),
@@ -42,16 +45,8 @@ CONFIGS = [  # name, system, RATEX_KERNELS, whether it uses the tuning records i
 ]
 
 
-def _default_cache_dir():
-    raw = os.environ.get("RATEX_CACHE_DIR", "").strip()
-    if raw:
-        return os.path.abspath(os.path.expanduser(raw))
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "ratex")
-
-
 def _env(args, **extra):
-    env = dict(os.environ)
+    env = dict(_ENVIRON)
     env.pop("RATEX_TUNE", None)
     if args.threads > 0:
         for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "TVM_NUM_THREADS"):
@@ -79,8 +74,8 @@ def main():
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("model", choices=sorted(MODELS))
     p.add_argument("--trials", type=int, default=16, help="MetaSchedule trials per kernel (RATEX_TUNE)")
-    p.add_argument("--cache-dir", default=_default_cache_dir(),
-                   help="compile cache and tuning records (default: RATEX_CACHE_DIR, else ~/.cache/ratex)")
+    p.add_argument("--cache-dir", default=config.CACHE_DIR,
+                   help="compile cache and tuning records (default: ratex's, RATEX_CACHE_DIR or ~/.cache/ratex)")
     p.add_argument("--steps", type=int, default=20, help="train steps per timed configuration")
     p.add_argument("--warmup", type=int, default=3, help="first steps left out of the median")
     p.add_argument("--threads", type=int, default=1,
@@ -93,6 +88,8 @@ def main():
         p.error(f"--trials must be a positive number of trials, not {args.trials}")
     if args.steps < args.warmup + 2:
         p.error(f"--steps must be at least --warmup + 2 = {args.warmup + 2}")
+    if not args.cache_dir:
+        p.error('RATEX_CACHE_DIR="" disables the cache that tuning records need: pass --cache-dir DIR')
     cache_dir = os.path.abspath(args.cache_dir)
 
     for kernels in ("tvm", "library"):

@@ -59,9 +59,10 @@ def seeded():
 @pytest.fixture
 def tvm_kernels(monkeypatch):
     """Exercise the TVM rules themselves, not the kernel library that CPU uses by default."""
-    from ratex.core import executor, sync
+    from ratex import config
+    from ratex.core import sync
 
-    monkeypatch.setattr(executor, "use_library", lambda kind: False)
+    monkeypatch.setattr(config, "KERNELS", "TVM")
     sync.reset_cache()  # programs compiled with the library must not be reused here, nor these elsewhere
     yield
     sync.reset_cache()

@@ -8,8 +8,10 @@ import time
 
 import pytest
 import torch
+import tvm
+from tvm import relax
 
-from tvm_lowering import disk_cache
+from tvm_lowering import CompileCache, Options, disk_cache, resolve_target
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -184,8 +186,6 @@ def test_bad_size_limit_env():
 def test_in_memory_cache_is_lru_and_its_last_hit_shortcut_forgets_nothing():
     """CompileCache answers a repeated key from its last hit without hashing; puts, evictions and
     clear still decide what it holds (keys are rebuilt each step: equal, never the same object)."""
-    from tvm_lowering import CompileCache
-
     def key(n):
         return ("aliasing", (tuple(range(n)), (("aten::add.Tensor", n),)), ())
 
@@ -199,3 +199,74 @@ def test_in_memory_cache_is_lru_and_its_last_hit_shortcut_forgets_nothing():
     assert cache.get(key(3)) == "p3" and len(cache) == 2
     cache.clear()
     assert cache.get(key(3)) is None and len(cache) == 0
+
+
+# ---- the cache object's disk tier (tvm_lowering.CompileCache), in process ------------------------
+def _add_one():
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((4,), "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            out = bb.emit_output(relax.Tuple([bb.emit(relax.op.add(x, relax.const(1.0, "float32")))]))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def test_disk_tier_is_shared_by_caches_with_the_same_salt_and_options(tmp_path):
+    """A program stored by one cache is loaded by another attached to the same directory (as a later
+    process would), and runs; other compile options, another version of the caller or no directory
+    find nothing."""
+    mod = _add_one()
+    target, options, key = resolve_target("CPU"), Options(), ("graph", (4,), "add")
+    first = CompileCache()
+    first.attach(str(tmp_path), target, version="1")
+    assert first.persists(key, options) and first.load(key, options) is None
+    lib = first.store(key, options, first.build(mod, target, options), {"ops": 1})
+    assert lib is not None
+
+    second = CompileCache()
+    second.attach(str(tmp_path), target, version="1")
+    loaded = second.load(key, options)
+    out = relax.VirtualMachine(loaded, tvm.cpu())["main"](tvm.runtime.tensor(torch.arange(4.0).numpy()))
+    assert out[0].numpy().tolist() == [1.0, 2.0, 3.0, 4.0]
+    assert second.load(key, Options(schedule=False)) is None
+    newer = CompileCache()
+    newer.attach(str(tmp_path), target, version="2")
+    assert newer.load(key, options) is None
+    newer.attach(None, target)  # memory only
+    assert not newer.persists(key, options) and newer.load(key, options) is None
+    assert newer.store(key, options, first.build(mod, target, options)) is None
+    assert len([f for f in os.listdir(tmp_path) if f.endswith(".json")]) == 1
+
+
+def test_an_entry_compiled_with_other_tuning_records_is_out_of_date(tmp_path):
+    mod = _add_one()
+    target, options = resolve_target("CPU"), Options()
+    cache = CompileCache()
+    cache.attach(str(tmp_path), target, version="1")
+    built = cache.build(mod, target, options)
+    assert cache.tuner is not None and built.report.kernels  # the add kernel, untuned: {hash: None}
+    untuned, tuned = ("untuned",), ("tuned",)
+    cache.store(untuned, options, built)
+    built.report.kernels.update({h: "4:1.0e-06" for h in built.report.kernels})  # as if tuned since
+    cache.store(tuned, options, built)
+    assert cache.load(untuned, options) is not None
+    assert cache.load(tuned, options) is None  # the database holds no such records (any more)
+    tuning = CompileCache()
+    tuning.attach(str(tmp_path), target, version="1", tune=2)
+    assert tuning.load(untuned, options) is None  # its kernel is to be tuned first
+
+
+def test_code_fingerprint_covers_whole_packages(tmp_path):
+    pkg = tmp_path / "a" / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "mod.py").write_text("x = 1\n")
+    (pkg / "sub" / "deep.py").write_text("y = 2\n")
+    before = disk_cache.code_fingerprint([str(pkg)])
+    (pkg / "sub" / "deep.py").write_text("y = 3\n")
+    assert disk_cache.code_fingerprint([str(pkg)]) != before  # any module of the package counts
+    (pkg / "sub" / "deep.py").write_text("y = 2\n")
+    moved = tmp_path / "b" / "pkg"
+    moved.parent.mkdir()
+    pkg.rename(moved)
+    assert disk_cache.code_fingerprint([str(moved)]) == before  # the same code elsewhere: the same entries

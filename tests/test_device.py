@@ -106,62 +106,6 @@ def test_bad_ratex_device_fails_at_import():
     assert "RATEX_DEVICE='TPU'" in proc.stderr and "CPU, GPU" in proc.stderr
 
 
-def test_one_thread_budget_for_tvm_and_torch():
-    probe = "import os, torch, ratex; print(torch.get_num_threads(), os.environ['TVM_NUM_THREADS'])"
-    env = {k: v for k, v in os.environ.items() if k not in ("TVM_NUM_THREADS", "RATEX_NUM_THREADS")}
-    run = lambda **kw: subprocess.run([sys.executable, "-c", probe], env=dict(env, **kw), capture_output=True, text=True)
-    assert run(RATEX_NUM_THREADS="1").stdout.split() == ["1", "1"]
-    torch_threads, tvm_threads = run().stdout.split()
-    assert torch_threads == tvm_threads
-    bad = run(RATEX_NUM_THREADS="many")
-    assert bad.returncode != 0 and "RATEX_NUM_THREADS='many'" in bad.stderr
-
-
-def test_tvm_workers_sleep_when_idle_unless_told_otherwise():
-    # spinning idle TVM workers held the cores torch's kernels and the tracing thread need
-    probe = "import os, ratex; print(os.environ['TVM_THREAD_POOL_SPIN_COUNT'])"
-    env = {k: v for k, v in os.environ.items() if k != "TVM_THREAD_POOL_SPIN_COUNT"}
-    run = lambda **kw: subprocess.run([sys.executable, "-c", probe], env=dict(env, **kw), capture_output=True, text=True)
-    assert run().stdout.split() == ["0"]
-    assert run(TVM_THREAD_POOL_SPIN_COUNT="5000").stdout.split() == ["5000"]
-
-
-_REUSE_PROBE = """
-import ctypes, resource
-import ratex.config as config
-libc = ctypes.CDLL("libc.so.6")
-libc.malloc.restype = ctypes.c_void_p
-libc.free.argtypes = [ctypes.c_void_p]
-libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
-faults = []
-for _ in range(2):  # a 20 MB buffer, freed and allocated again, as activations are every step
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    p = libc.malloc(20 << 20)
-    libc.memset(p, 1, 20 << 20)
-    libc.free(p)
-    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-print(config.MEMORY_RETAINED, faults[1])
-"""
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux") or os.confstr("CS_GNU_LIBC_VERSION") is None,
-                    reason="glibc's mallopt")
-def test_freed_buffers_stay_with_the_process():
-    """ratex keeps freed CPU memory (glibc mmap/trim thresholds) so a step's buffers are not
-    page-faulted in again every step; RATEX_RETAIN_MEMORY=false or the user's own MALLOC_*
-    thresholds keep glibc's default, which gives the 20 MB back and faults it in again."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "RATEX_RETAIN_MEMORY"}
-    run = lambda **kw: subprocess.run([sys.executable, "-c", _REUSE_PROBE], env=dict(env, **kw),
-                                      capture_output=True, text=True)
-    retained, faults = run().stdout.split()
-    assert retained == "True" and int(faults) < 500, (retained, faults)
-    retained, faults = run(RATEX_RETAIN_MEMORY="false").stdout.split()
-    assert retained == "False" and int(faults) > 4000, (retained, faults)  # 20 MB = 5120 pages
-    assert run(MALLOC_TRIM_THRESHOLD_="131072").stdout.split()[0] == "False"
-    bad = run(RATEX_RETAIN_MEMORY="sometimes")
-    assert bad.returncode != 0 and "RATEX_RETAIN_MEMORY='sometimes'" in bad.stderr
-
-
 def test_factories_and_indexing_with_python_and_cpu_indices(dev):
     t = torch.tensor([[1.0, 2.0, 3.0]], device=dev)
     assert t.device == dev
@@ -171,16 +115,6 @@ def test_factories_and_indexing_with_python_and_cpu_indices(dev):
     x[torch.tensor([2])] = 9
     torch.testing.assert_close(x.cpu(), torch.tensor([0.0, 1.0, 9.0, 3.0, 4.0, 5.0]))
     assert torch.zeros(2, 3, device=dev, dtype=torch.int32).sum().item() == 0
-
-
-def test_torch_lazy_step_api_drives_ratex(dev):
-    import torch._lazy
-
-    y = torch.ones(2, device=dev) * 3
-    torch._lazy.mark_step()
-    torch._lazy.wait_device_ops()
-    assert metrics.counter_value("MarkStep") == 1
-    torch.testing.assert_close(y.cpu(), torch.full((2,), 3.0))
 
 
 def test_signed_zero_and_nan_scalars_in_the_compile_cache(dev):

@@ -4,7 +4,7 @@ import tvm
 from tvm import relax
 
 import ratex  # noqa: F401  (registers ratex.lib.*)
-from tvm_lowering import build, resolve_target
+from tvm_lowering import Options, build, resolve_target
 from tvm_lowering.library_dispatch import library_dispatch
 
 
@@ -45,7 +45,7 @@ def _run(library):
         tvm.runtime.tensor(rng.standard_normal(s).astype("float32"))
         for s in [(2, 3, 9, 9), (4, 3, 3, 3), (4, 2, 3, 3), (5, 7), (2, 4, 5, 5), (2, 3, 5, 5), (2, 4, 3)]
     ]
-    vm = relax.VirtualMachine(build(mod, resolve_target("CPU"), library=library), tvm.cpu())
+    vm = relax.VirtualMachine(build(mod, resolve_target("CPU"), Options(library=library)), tvm.cpu())
     return [o.numpy() for o in vm["main"](*args)]
 
 

@@ -1,4 +1,4 @@
-"""Persistent cache of compiled programs: shared libraries in a directory, found by a stable hash.
+"""The compile cache's disk tier: compiled programs as shared libraries in a directory, found by a stable hash.
 
 Layout of the directory (one entry per graph):
 
@@ -9,8 +9,8 @@ Layout of the directory (one entry per graph):
                               same entry at once never tear each other's file
 
 `name` is sha256 of a process-independent text of the graph key plus a salt
-(TVM version, target, ratex version, a fingerprint of the lowering code). A
-library is loaded only after its size and sha256 match the metadata: dlopen
+(see cache.py: TVM version, target, the caller's version, a fingerprint of the
+code). A library is loaded only after its size and sha256 match the metadata: dlopen
 of a truncated library can kill the process (SIGBUS), so no check is left to
 the loader. Every write goes to a temporary name first and is renamed into
 place (`os.replace`), so readers see whole files or none. Entries are evicted,
@@ -83,21 +83,23 @@ def _stable(obj, out):
         out.append(f"{t.__name__}<{text}>")
 
 
-def code_fingerprint(paths) -> str:
-    """Return sha256 over the contents of the given .py files and of the .py files under given dirs."""
-    files = []
-    for p in paths:
-        if os.path.isdir(p):
-            for root, dirs, names in os.walk(p):
-                dirs[:] = sorted(d for d in dirs if d != "__pycache__")
-                files += [os.path.join(root, n) for n in sorted(names) if n.endswith(".py")]
-        elif os.path.exists(p):
-            files.append(p)
+def code_fingerprint(packages) -> str:
+    """Return sha256 over the .py files under the given package directories.
+
+    Files are named relative to their package's parent, so the same code hashes
+    the same wherever it is checked out.
+    """
     h = hashlib.sha256()
-    for f in files:
-        h.update(f.replace(os.sep, "/").rsplit("/", 3)[-1].encode())
-        with open(f, "rb") as fh:
-            h.update(hashlib.sha256(fh.read()).digest())
+    for package in packages:
+        base = os.path.dirname(os.path.abspath(package))
+        for root, dirs, names in os.walk(package):
+            dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+            for n in sorted(names):
+                if n.endswith(".py"):
+                    path = os.path.join(root, n)
+                    h.update(os.path.relpath(path, base).replace(os.sep, "/").encode())
+                    with open(path, "rb") as fh:
+                        h.update(hashlib.sha256(fh.read()).digest())
     return h.hexdigest()
 
 

@@ -180,14 +180,14 @@ class Report:
 
 
 class Tuner:
-    """The tuning database in `work_dir` for `target`; tunes unseen kernels with `trials` trials (0: never)."""
+    """The tuning database in `work_dir` for `target`; tunes unseen kernels with `trials` trials (0: never)
+    for programs that run on `cores` threads (None: all cores)."""
 
-    def __init__(self, work_dir: str, target: tvm.target.Target, trials: int = 0):
+    def __init__(self, work_dir: str, target: tvm.target.Target, trials: int = 0, cores: int = None):
         self.work_dir = work_dir
         self.trials = trials
         # MetaSchedule's CPU rules size parallel loops by the core count, which the target must name.
-        cores = int(os.environ.get("TVM_NUM_THREADS") or os.cpu_count() or 1)
-        self.target = tvm.target.Target({**target.export(), "num-cores": cores})
+        self.target = tvm.target.Target({**target.export(), "num-cores": cores or os.cpu_count() or 1})
         self._db = None
         self._records = None  # workload hash -> fingerprint of its records
         self._hashes = {}  # the database's workload objects -> their hash (hashing costs ~1 ms)

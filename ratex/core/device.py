@@ -7,6 +7,9 @@ program, so only those that are read become torch tensors, with no copy). On
 GPU it is a `tvm.runtime.Tensor` in CUDA memory (allocated by PyTorch's CUDA
 allocator where torch has CUDA, and shared with TVM by DLPack). Nothing
 outside this module needs to know which.
+
+Each backend is registered under the name of its compile target
+(tvm_lowering/targets.py); RATEX_DEVICE picks both.
 """
 import functools
 
@@ -17,13 +20,29 @@ from .. import config
 from tvm_lowering import resolve_target
 
 LAZY = torch.device("lazy", 0)
+BACKENDS = {}  # target name -> the backend class that exchanges its data
 
 
+def register(name: str):
+    """Class decorator: register a backend as the data exchange of target `name`; returns the class."""
+
+    def add(cls):
+        cls.name = name
+        BACKENDS[name] = cls
+        return cls
+
+    return add
+
+
+@register("CPU")
 class CPUBackend:
     """Device data = contiguous torch CPU tensors, or tvm-ffi tensors from the native runner
-    (a torch tensor costs ~1.4 us to make from one: LeNet-5 b1 returns 33 outputs a step)."""
+    (a torch tensor costs more to make from one than the tvm-ffi tensor: LeNet-5 b1 returns 33
+    outputs a step, most read only by the next program)."""
 
-    kind = "CPU"
+    native_runner = True  # programs may run on the native runner's thread (csrc/runner.cc)
+    native_kernels = True  # the C++ library kernels (csrc/kernels.cc) make CPU tensors: they fit here
+    library_runs = True  # ratex.lib.* kernels run PyTorch's CPU kernels
 
     def __init__(self):
         self.target = resolve_target("CPU")
@@ -73,15 +92,18 @@ class CPUBackend:
         return self.view_cpu(data).clone()
 
 
+@register("GPU")
 class GPUBackend:
     """Device data = tvm.runtime.Tensor on the CUDA device."""
 
-    kind = "GPU"
+    native_runner = False
+    native_kernels = False  # they make CPU tensors; the Python kernels run torch's CUDA ones
+    library_runs = False  # ... where this torch has CUDA (set per instance)
 
     def __init__(self):
         self.target = resolve_target("GPU", _cuda_arch())
         self.dev = tvm.cuda(0)
-        self.torch_cuda = torch.cuda.is_available()
+        self.torch_cuda = self.library_runs = torch.cuda.is_available()
 
     def upload(self, cpu: torch.Tensor):
         if self.torch_cuda and cpu.numel() > 0:
@@ -137,7 +159,16 @@ def _cuda_arch() -> str:
     return f"sm_{major}{minor}"
 
 
+def backend_class():
+    """Return the backend class registered for the RATEX_DEVICE target."""
+    cls = BACKENDS.get(config.DEVICE)
+    if cls is None:
+        raise RuntimeError(f"RATEX_DEVICE={config.DEVICE}: no backend is registered for this target "
+                           f"in ratex/core/device.py (registered: {', '.join(BACKENDS)})")
+    return cls
+
+
 @functools.lru_cache(maxsize=None)
 def backend():
-    """Return the backend selected by RATEX_DEVICE (created on first use)."""
-    return CPUBackend() if config.DEVICE == "CPU" else GPUBackend()
+    """Return the backend of the RATEX_DEVICE target (created on first use)."""
+    return backend_class()()

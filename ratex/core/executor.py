@@ -1,34 +1,38 @@
-"""Compiled programs: lower a cut to Relax, compile it, run it on device data."""
+"""Compiled programs: lower a cut to Relax, compile it through the compile cache, run it on device data."""
 import contextlib
+import functools
 import hashlib
 import os
 import time
-import warnings
 
-import torch
 import tvm
 from tvm import relax
 
 import tvm_lowering
-from tvm_lowering import disk_cache, tuning
-from tvm_lowering.library_dispatch import AUTO_MIN_MACS
-from .. import config
+from tvm_lowering import disk_cache
+from .. import __version__, config, process
 from . import kernels  # noqa: F401  (registers the ratex.lib.* kernel library)
 from . import metrics, progress
 from .device import backend
 from .graph import Graph, to_fx
+
+# The process's compiled programs: in memory, then in RATEX_CACHE_DIR (see `_attach`).
+CACHE = tvm_lowering.CompileCache()
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # ratex/: its code salts the disk cache
 
 
 class Program:
     """One compiled graph: a Relax VM function taking leaves, returning roots.
 
     `donate`: the (input, output) pairs whose output may be written into the
-    input's buffer (ENABLE_PARAM_ALIASING; see tvm_lowering/inplace.py).
+    input's buffer (see tvm_lowering/inplace.py). `aliasing`: the program runs
+    where steps donate buffers (ENABLE_PARAM_ALIASING), so each output must
+    own its buffer (see `run`).
     """
 
-    __slots__ = ("fn", "vm", "mod", "executable", "donate", "constant", "label", "empty", "_launcher")
+    __slots__ = ("fn", "vm", "mod", "executable", "donate", "constant", "aliasing", "label", "empty", "_launcher")
 
-    def __init__(self, executable, mod, device, donate=(), constant=()):
+    def __init__(self, executable, mod, device, donate=(), constant=(), aliasing=False):
         """`executable`: a VMExecutable, or a runtime module loaded from the disk cache (mod None).
 
         `constant`: outputs computed from no input (see `constant_roots`)."""
@@ -38,35 +42,36 @@ class Program:
         self.executable = executable
         self.donate = frozenset(donate)
         self.constant = tuple(constant)
+        self.aliasing = aliasing
         self.label = None  # how errors name the graph (sync.py sets it at the first launch)
         self.empty = None  # whether an input has no elements (shapes are fixed: sync sets it at the first launch)
-        self._launcher = None  # (PARAM_ALIASING, launcher or None) once launcher() was asked
+        self._launcher = None  # (launcher or None,) once launcher() was asked
 
     def launcher(self):
         """This program's launcher on the native runner (csrc/runner.cc), or None where it runs
         on the Python executor thread: see `native_launcher`."""
         made = self._launcher
-        if made is None or made[0] != config.PARAM_ALIASING:  # (tests flip the flag at run time)
-            made = self._launcher = (config.PARAM_ALIASING, self.native_launcher(self.fn))
-        return made[1]
+        if made is None:
+            made = self._launcher = (self.native_launcher(self.fn),)
+        return made[0]
 
     def native_launcher(self, fn):
         """A launcher that runs `fn` (this program's function, or one standing in for it) on the
         native runner, with this program's buffer rules (see `run`); None without the native
-        library (or with RATEX_NATIVE_RUNNER=false), on GPU, or with an input without elements
-        (TVM may not take its DLPack strides as compact). `empty` must be known (sync sets it
-        from the graph's leaves)."""
+        library (or with RATEX_NATIVE_RUNNER=false), on a backend without the runner (GPU), or
+        with an input without elements (TVM may not take its DLPack strides as compact).
+        `empty` must be known (sync sets it from the graph's leaves)."""
         prepare = tvm.get_global_func("ratex.runner.prepare", allow_missing=True) if config.NATIVE_RUNNER else None
-        if prepare is None or backend().kind != "CPU" or self.empty is not False:
+        if prepare is None or not backend().native_runner or self.empty is not False:
             return None
         donate = [k for pair in sorted(self.donate) for k in pair]
-        return prepare(fn, config.PARAM_ALIASING, donate, list(self.constant))
+        return prepare(fn, self.aliasing, donate, list(self.constant))
 
     def run(self, inputs: list) -> list:
         """Run on device data `inputs`; return device data, one per root."""
         be = backend()
         outs = be.call(self.fn, inputs, self.empty)
-        if config.PARAM_ALIASING:
+        if self.aliasing:
             for j in self.constant:  # a folded constant: the same buffer every run; donating it would change it
                 outs[j] = be.copy(outs[j])
             _own_buffers(be, inputs, outs, self.donate)
@@ -112,71 +117,91 @@ def _own_buffers(be, inputs: list, outs: list, donate: frozenset):
             metrics.counter_inc("AliasedOutputCopy")
 
 
-def use_library(kind: str) -> bool:
-    """Whether matmul/conv go to the kernel library (ratex/core/kernels.py) on this target:
-    PyTorch's CPU kernels on CPU; on GPU its CUDA kernels (cuBLAS, cuDNN), where this torch
-    has CUDA."""
-    if config.KERNELS not in ("AUTO", "LIBRARY"):
-        return False
-    return kind == "CPU" or torch.cuda.is_available()
+def compile_options(be=None) -> tvm_lowering.Options:
+    """Return the compile options of the backend's target (default: the configured one) under the
+    current RATEX_KERNELS and RATEX_CPU_SCHEDULE (read now: tests change them)."""
+    be = be if be is not None else backend()
+    return be.target.options(config.KERNELS.lower(), be.library_runs, config.CPU_SCHEDULE)
 
 
-def library_min_macs(kind: str) -> int:
-    """The smallest matmul/conv (multiply-adds) sent to the library: `auto` keeps small ones
-    as TVM code on CPU (see tvm_lowering/library_dispatch.py AUTO_MIN_MACS), `library` sends all.
-    On GPU `auto` sends all too: TVM's default CUDA schedule for a convolution is a plain loop
-    nest per thread (LeNet-5 b64's step ran 3-4x eager CUDA's), and small sizes were not measured apart."""
-    return AUTO_MIN_MACS if config.KERNELS == "AUTO" and kind == "CPU" else 0
+def cache_key(graph: Graph, donate: tuple, aliasing: bool):
+    """The compile-cache key of `graph` compiled with donations `donate`, for steps that donate
+    buffers (`aliasing`) or not."""
+    return ("aliasing", graph.key, donate) if aliasing else graph.key
 
 
-def compile_graph(graph: Graph, donate=()) -> Program:
-    """Lower and compile `graph` for the configured target (raises LoweringError).
+def compile_graph(graph: Graph, key, donate=(), aliasing: bool = False) -> Program:
+    """Lower and compile `graph` for the configured target (raises LoweringError); return its Program.
 
+    `key`: its `cache_key`, under which it is stored on disk (RATEX_CACHE_DIR).
     `donate`: (leaf, root) index pairs where the root is the new value of the
     leaf's tensor, so the update may be written into the leaf's buffer.
     """
     with progress.compiling(f"a graph of {len(graph.nodes)} ops"):
-        return _compile(graph, tuple(donate))
+        return _compile(graph, key, tuple(donate), aliasing)
 
 
-def _compile(graph: Graph, donate: tuple) -> Program:
+def _compile(graph: Graph, key, donate: tuple, aliasing: bool) -> Program:
     be = backend()
+    options = compile_options(be)
     with metrics.timed("LowerTime"):
-        library = use_library(be.target.kind)
-        min_macs = library_min_macs(be.target.kind)
         mod = tvm_lowering.import_graph(
-            to_fx(graph), library=library, host_kernels=be.target.kind == "CPU", library_min_macs=min_macs
+            to_fx(graph), library=options.library, host_kernels=be.target.host_kernels,
+            library_min_macs=options.library_min_macs,
         )
-    cache = _disk_cache()
-    name = _entry_name(cache, cache_key(graph, donate)) if cache is not None else None
+    _attach(be)
     dev = be.target.device()
-    donated = []
-    tuner = _tuner()
-    report = tuning.Report()
-    kernel_pass = tuner.pass_(report, _tuning) if tuner is not None else None
+    dump = functools.partial(_save_ir, graph) if config.SAVE_IR else None
     with metrics.timed("CompileTime"):
-        executable = tvm_lowering.build(
-            mod, be.target, library=library, donate=donate, donated=donated, kernel_pass=kernel_pass,
-            library_min_macs=min_macs,
-        )
+        built = CACHE.build(mod, be.target, options, donate, on_tune=_tuning, dump=dump)
         # Making the VM JIT-links the code in memory, which costs about as much as the build.
         # With a persistent cache the library is exported (linked) once and loaded instead.
-        program = Program(executable, mod, dev, donate, constant_roots(graph)) if name is None else None
-    if donated:
-        metrics.counter_inc("DonatedBuffers", len(donated))
-    if config.SAVE_IR:
-        _save_ir(graph, mod, donated)
-    if report.applied:
-        metrics.counter_inc("TunedKernelsApplied", report.applied)
+        persists = CACHE.persists(key, options)
+        program = None if persists else Program(built.executable, mod, dev, donate, constant_roots(graph), aliasing)
+    if built.donated:
+        metrics.counter_inc("DonatedBuffers", len(built.donated))
+    if built.report.applied:
+        metrics.counter_inc("TunedKernelsApplied", built.report.applied)
     if program is None:
-        lib = _store(cache, name, graph, executable, report.kernels)
-        program = Program(lib if lib is not None else executable, mod, dev, donate, constant_roots(graph))
+        with metrics.timed("PersistentCacheStoreTime"):
+            lib = CACHE.store(key, options, built, {"ops": len(graph.nodes)})
+        program = Program(lib if lib is not None else built.executable, mod, dev, donate, constant_roots(graph),
+                          aliasing)
     return program
 
 
-def cache_key(graph: Graph, donate: tuple):
-    """The compile-cache key of `graph` compiled with donations `donate` (ENABLE_PARAM_ALIASING)."""
-    return ("aliasing", graph.key, donate) if config.PARAM_ALIASING else graph.key
+def load_program(graph: Graph, key, donate=(), aliasing: bool = False):
+    """Return the program of `graph` under `key` (its `cache_key`; compiled with donations
+    `donate`) from the persistent cache, or None."""
+    be = backend()
+    _attach(be)
+    options = compile_options(be)
+    if not CACHE.persists(key, options):
+        return None
+    with metrics.timed("PersistentCacheLoadTime"):
+        lib = CACHE.load(key, options)
+        if lib is None:
+            return None
+        program = Program(lib, None, be.target.device(), donate, constant_roots(graph), aliasing)
+    metrics.counter_inc("PersistentCacheHit")
+    return program
+
+
+def _attach(be):
+    """Point the cache's disk tier at RATEX_CACHE_DIR, with the tuning settings (read now: tests
+    change them); a comparison when nothing changed."""
+    CACHE.attach(
+        config.CACHE_DIR, be.target, version=__version__, packages=(_PACKAGE,), size_limit=config.CACHE_SIZE_MB << 20,
+        tune=config.TUNE, cores=process.TVM_THREADS,
+    )
+
+
+@contextlib.contextmanager
+def _tuning(count: int):
+    """Around tuning `count` new kernels during a compile: progress bar, metrics."""
+    with metrics.timed("TuneTime"), progress.tuning(count) as step:
+        yield step
+    metrics.counter_inc("TunedKernels", count)
 
 
 def graph_hash(graph: Graph) -> str:
@@ -210,114 +235,3 @@ def _save_ir(graph: Graph, mod, donated):
     )
     with open(config.SAVE_IR, "a", encoding="utf-8") as f:
         f.write(text)
-
-
-# ---- persistent cache (RATEX_CACHE_DIR) --------------------------------------------
-_disk = {}  # (dir, size limit) -> DiskCache
-_last_name = (None, None)  # (graph key, entry name): a miss looks the name up twice
-
-
-def _disk_cache():
-    root = config.CACHE_DIR
-    if not root:
-        return None
-    limit = config.CACHE_SIZE_MB << 20
-    cache = _disk.get((root, limit))
-    if cache is None:
-        import ratex  # noqa: PLC0415  (for its version; loaded by now)
-
-        here = os.path.dirname(os.path.abspath(__file__))
-        code = disk_cache.code_fingerprint([
-            os.path.dirname(os.path.abspath(tvm_lowering.__file__)),
-            os.path.join(here, "graph.py"),
-            os.path.join(here, "ir.py"),
-            os.path.join(here, "kernels.py"),
-            os.path.join(here, "executor.py"),
-            os.path.join(os.path.dirname(here), "jit.py"),
-        ])
-        be = backend()
-        salt = "|".join([
-            f"tvm={tvm.__version__}", f"target={be.target.key}", f"ratex={ratex.__version__}",
-            f"code={code}", f"aliasing={config.PARAM_ALIASING}", f"kernels={getattr(config, 'KERNELS', None)}",
-            f"cpu_schedule={os.environ.get('RATEX_CPU_SCHEDULE', '1')}",
-        ])
-        cache = _disk[(root, limit)] = disk_cache.DiskCache(root, limit, salt)
-    return cache
-
-
-# ---- tuning (RATEX_TUNE) --------------------------------------------------------------
-_tuners = {}  # (cache dir, target key, trials) -> tuning.Tuner
-
-
-def _tuner():
-    """The tuning database of this target inside the cache dir (None when the disk cache is off)."""
-    root = config.CACHE_DIR
-    if not root or backend().target.kind != "CPU":
-        return None
-    target = backend().target
-    key = (root, target.key, config.TUNE)
-    tuner = _tuners.get(key)
-    if tuner is None:
-        # Records are replayed schedules: they are only good for the TVM and target that made them.
-        tag = hashlib.sha256(f"{tvm.__version__}|{target.key}".encode()).hexdigest()[:16]
-        tuner = _tuners[key] = tuning.Tuner(os.path.join(root, "tuning", tag), target.tvm, config.TUNE)
-    return tuner
-
-
-@contextlib.contextmanager
-def _tuning(count: int):
-    """Around tuning `count` new kernels during a compile: progress bar, metrics."""
-    with metrics.timed("TuneTime"), progress.tuning(count) as step:
-        yield step
-    metrics.counter_inc("TunedKernels", count)
-
-
-def _entry_name(cache, key):
-    global _last_name
-    if _last_name[0] is key:
-        return _last_name[1]
-    name = cache.name(key)
-    _last_name = (key, name)
-    return name
-
-
-def load_program(graph: Graph, donate=()):
-    """Return the program of `graph` (compiled with donations `donate`) from the persistent cache, or None."""
-    cache = _disk_cache()
-    if cache is None:
-        return None
-    name = _entry_name(cache, cache_key(graph, tuple(donate)))
-    if name is None:
-        return None
-    tuner = _tuner()
-    with metrics.timed("PersistentCacheLoadTime"):
-        # An entry compiled before its kernels were tuned (or retuned) must not shadow a tuned program.
-        accept = (lambda meta: tuner.is_current(meta.get("kernels"))) if tuner is not None else None
-        lib = cache.load(name, accept=accept)
-        if lib is None:
-            return None
-        program = Program(lib, None, backend().target.device(), donate, constant_roots(graph))
-    metrics.counter_inc("PersistentCacheHit")
-    return program
-
-
-def _store(cache, name, graph: Graph, executable, records):
-    """Save a fresh executable as entry `name`; return the library loaded back, or None on failure.
-
-    `records` (workload hash -> tuning record fingerprint) lets a later load
-    tell whether the tuning database has changed for this program's kernels.
-    """
-    with metrics.timed("PersistentCacheStoreTime"):
-        try:
-            info = {"ops": len(graph.nodes), "salt": cache.salt, "kernels": records}
-            path = cache.store(name, executable, info)
-            return tvm.runtime.load_module(path)
-        except Exception as err:  # noqa: BLE001 - a full disk or a missing linker must not fail the step
-            if cache.root not in _store_warned:
-                _store_warned.add(cache.root)
-                warnings.warn(f"ratex compile cache: could not save to {cache.root}: {err}", stacklevel=3)
-            return None
-
-
-_store_warned = set()
-

@@ -21,13 +21,13 @@ import ctypes
 import functools
 import importlib.resources
 import json
-import os
 from pathlib import Path
 
 import torch
 import tvm
 
 from .. import config
+from .device import backend_class
 
 aten = torch.ops.aten
 
@@ -199,10 +199,8 @@ _REBUILD = "rebuild it with scripts/setup.sh in a checkout, or reinstall ratex"
 def _load_native():
     """The native kernel library, registered over the Python kernels; None when it is
     turned off, not built, or built for another torch (its ATen ABI may differ)."""
-    if os.environ.get("RATEX_NATIVE_KERNELS", "1") == "0" or not _NATIVE_PATH.exists():
+    if not config.NATIVE_KERNELS or not backend_class().native_kernels or not _NATIVE_PATH.exists():
         return None
-    if config.DEVICE != "CPU":
-        return None  # they hand back CPU tensors; on GPU the Python kernels run torch's CUDA ones
     try:
         lib = ctypes.CDLL(str(_NATIVE_PATH))
     except OSError as e:

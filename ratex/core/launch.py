@@ -23,6 +23,7 @@ import threading
 
 import tvm_ffi
 
+from .. import config
 from . import metrics
 
 # (storage, previous value) pairs of the mark_step in progress: every job it launches can roll them back
@@ -224,7 +225,6 @@ def resolve(data):
     return data.get() if type(data) is Pending else data
 
 
-ASYNC = os.environ.get("RATEX_ASYNC", "1").strip().lower() not in ("0", "false", "no", "off")
 _queue = queue.Queue()
 _failed = []
 _worker = None
@@ -271,7 +271,7 @@ MAX_IN_FLIGHT = 2
 
 def launch(job):
     global _worker
-    if not ASYNC or _serial[0] > 0:
+    if not config.ASYNC or _serial[0] > 0:
         job.run()
         return
     launcher = job.program.launcher()

@@ -11,14 +11,13 @@ from .. import config
 from . import launch, metrics
 from .launch import ExecutionError, Pending, resolve  # noqa: F401  (the sync API)
 from .device import backend
-from .executor import cache_key, compile_graph, load_program
+from .executor import CACHE, cache_key, compile_graph, load_program
 from .graph import cut
 from .ir import Node, fill, op_name
 
 # Storages whose value may still be uncomputed, in the order they became pending:
 # a deterministic root order keeps the graph key stable from step to step.
 _pending = []  # weak references, in order; compacted when long (see track)
-_cache = tvm_lowering.CompileCache()
 unlowerable = set()  # node keys whose rule failed: such ops run eagerly from now on
 
 
@@ -55,27 +54,29 @@ def pending_storages() -> list:
 _depth = 0  # execute() nests (eager fallbacks); only the outermost call is a "Sync" span
 
 
-def execute(values: list, overwrites=()):
+def execute(values: list, written=()):
     """Compute every value in `values` (pairs (node, index)) and keep the results on the nodes.
 
-    `overwrites`: (new value, old value) pairs of tensors that the values
-    replace; with ENABLE_PARAM_ALIASING the old value's buffer may receive the
-    new one (see `donations`).
+    `written`: the storages whose new values these are. Where steps donate
+    buffers (ENABLE_PARAM_ALIASING, read here and nowhere else in a step), a
+    storage's old buffer may receive its new value (see `donations`).
     """
     global _depth
+    aliasing = config.PARAM_ALIASING
     if _depth:
-        return _execute(values, overwrites)
+        return _execute(values, written, aliasing)
     launch.raise_failures()
     _depth += 1
     try:
         with metrics.span("Sync"):
-            return _execute(values, overwrites)
+            return _execute(values, written, aliasing)
     finally:
         _depth -= 1
 
 
-def donations(graph, overwrites) -> tuple:
-    """(leaf, root) index pairs of `graph` where the root replaces the tensor whose old value is the leaf.
+def donations(graph, written) -> tuple:
+    """(leaf, root) index pairs of `graph` where the root is the new value of a storage in `written`
+    and the leaf its old value.
 
     Each old value has one owner: clones copy (ops._clone) and programs give
     every output its own buffer (Program.run), so no other live tensor reads the
@@ -85,9 +86,10 @@ def donations(graph, overwrites) -> tuple:
     root_at = {value: k for k, value in enumerate(graph.roots)}
     shared = _shared_leaves(graph.leaves)
     pairs, taken = [], set()
-    for new, old in overwrites:
+    for st in written:
+        old = st.prev
         leaf = leaf_at.get(old) if old is not None else None
-        root = root_at.get(new)
+        root = root_at.get(st.value)
         if leaf is not None and root is not None and leaf not in taken and leaf not in shared:
             taken.add(leaf)
             pairs.append((leaf, root))
@@ -116,19 +118,19 @@ def _shared_leaves(leaves) -> set:
     return {pos for pos, ks in enumerate(keys) if any(count[k] > 1 for k in ks)}
 
 
-def _execute(values: list, overwrites=()):
+def _execute(values: list, written, aliasing: bool):
     while True:
         roots = list(dict.fromkeys(v for v in values if v[0].results[v[1]] is None))
         if not roots:
             return
         graph = cut(roots)
-        donate = donations(graph, overwrites) if overwrites else ()
-        key = cache_key(graph, donate)
-        program = _cache.get(key)
+        donate = donations(graph, written) if aliasing and written else ()
+        key = cache_key(graph, donate, aliasing)
+        program = CACHE.get(key)
         if program is None:
             launch.drain()  # no compiling or loading while a program runs: TVM's codegen isn't safe next to it
-        if program is None and (program := load_program(graph, donate)) is not None:
-            _cache.put(key, program)  # from the persistent cache (RATEX_CACHE_DIR)
+        if program is None and (program := load_program(graph, key, donate, aliasing)) is not None:
+            CACHE.put(key, program)  # from the persistent cache (RATEX_CACHE_DIR)
         elif program is None:
             stuck = [n for n in graph.nodes if n.key in unlowerable or not tvm_lowering.has_rule(op_name(n.op))]
             if stuck:  # e.g. a view op without a rule: compute it eagerly, then cut again
@@ -136,7 +138,7 @@ def _execute(values: list, overwrites=()):
                     run_eagerly(node)
                 continue
             try:
-                program = compile_graph(graph, donate)
+                program = compile_graph(graph, key, donate, aliasing)
             except tvm_lowering.LoweringError as err:
                 node = err.node.meta.get("ratex_node")
                 if node is None:
@@ -156,7 +158,7 @@ def _execute(values: list, overwrites=()):
                 run_eagerly(node)
                 continue
             metrics.counter_inc("UncachedCompile")
-            _cache.put(key, program)
+            CACHE.put(key, program)
         else:
             metrics.counter_inc("CachedCompile")
         inputs = [node.results[idx] for node, idx in graph.leaves]
@@ -225,8 +227,7 @@ def mark_step():
         _pending.clear()
         _compact_at = _COMPACT_MIN  # a threshold a long run raised ends with it
         with launch.rollback_point([(st, st.prev) for st in storages]):
-            overwrites = [(st.value, st.prev) for st in storages] if config.PARAM_ALIASING else ()
-            execute([st.value for st in storages], overwrites)
+            execute([st.value for st in storages], storages)
         for st in storages:
             st.rebind()
     if _step_closures:
@@ -244,6 +245,6 @@ def wait_device_ops():
 
 
 def reset_cache():
-    """Forget every compiled program (tests use this to count compiles)."""
-    _cache.clear()
+    """Forget every compiled program in memory (tests use this to count compiles)."""
+    CACHE.clear()
 

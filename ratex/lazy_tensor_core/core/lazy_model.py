@@ -35,18 +35,3 @@ def is_lazy_tensor(t) -> bool:
 
 __all__ = ["lazy_device", "mark_step", "add_step_closure", "wait_device_ops", "is_lazy_tensor"]
 
-
-def _drive_torch_lazy():
-    """ratex is the lazy device's backend, so torch._lazy's step API drives it too."""
-    import torch._lazy
-
-    def torch_lazy_mark_step(device: str = "", wait: bool = False):
-        mark_step()
-        if wait:
-            wait_device_ops()
-
-    torch._lazy.mark_step = torch_lazy_mark_step
-    torch._lazy.wait_device_ops = lambda devices=None: wait_device_ops()
-
-
-_drive_torch_lazy()

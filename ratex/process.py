@@ -1,0 +1,86 @@
+"""What `import ratex` changes in the process, and why. Each change has an opt-out.
+
+| change | why | opt-out |
+|---|---|---|
+| `TVM_THREAD_POOL_SPIN_COUNT=0`, `TVM_BIND_THREADS=0` | TVM's idle workers otherwise spin, pinned to their cores, holding the cores that torch's pool (library kernels) and the thread tracing the next step need | `RATEX_TVM_POOL_YIELD=false`, or either variable set yourself |
+| `TVM_NUM_THREADS` = torch's thread count; torch's = `RATEX_NUM_THREADS` where set | a program runs TVM kernels on TVM's pool and library kernels on torch's, one after the other: one thread budget for both | `RATEX_SHARE_THREADS=false` (TVM's default: all cores), or `TVM_NUM_THREADS` set yourself; torch's count changes only with `RATEX_NUM_THREADS` |
+| glibc's mmap threshold 32 MB, trim threshold 256 MB | freed buffers stay with the process, as PyTorch's CUDA caching allocator keeps device memory: with glibc's defaults a freed block of a few MB goes back to the OS and the next step page-faults it in again | `RATEX_RETAIN_MEMORY=false`, or `MALLOC_MMAP_THRESHOLD_` / `MALLOC_TRIM_THRESHOLD_` set yourself; nothing off glibc |
+| `torch._lazy.mark_step` and `wait_device_ops` run ratex's | ratex is the lazy device's backend: code written for torch._lazy steps it too | `RATEX_TORCH_LAZY_STEP=false` |
+
+The settings come from ratex/config.py, which parses them.
+"""
+import ctypes
+import os
+import sys
+
+import torch
+import torch._lazy
+
+from . import config
+
+TVM_THREADS = None  # the thread count TVM's pool will use (None: TVM's default, all cores)
+MEMORY_RETAINED = False  # whether glibc's thresholds were raised
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
+
+
+def apply():
+    """Apply the thread and memory settings (first thing at import: TVM reads its variables when
+    its thread pool starts); returns nothing."""
+    global MEMORY_RETAINED
+    _yield_tvm_pool()
+    _share_threads()
+    MEMORY_RETAINED = _retain_freed_memory()
+
+
+def _yield_tvm_pool():
+    # Spinning idle workers (300,000 polls before they sleep) turned a small LeNet-5 program
+    # into bursts many times its length on 2 cores; pinned ones fight torch's pool for cores.
+    if config.TVM_POOL_YIELD:
+        os.environ.setdefault("TVM_BIND_THREADS", "0")
+        os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", "0")
+
+
+def _share_threads():
+    global TVM_THREADS
+    if config.NUM_THREADS:
+        torch.set_num_threads(config.NUM_THREADS)
+    if config.TVM_NUM_THREADS is not None:
+        TVM_THREADS = config.TVM_NUM_THREADS or None  # 0: TVM's default
+    elif config.SHARE_THREADS:
+        TVM_THREADS = torch.get_num_threads()  # RATEX_NUM_THREADS, else OMP_NUM_THREADS or the core count
+        os.environ["TVM_NUM_THREADS"] = str(TVM_THREADS)
+
+
+def _retain_freed_memory() -> bool:
+    """Raise glibc's mmap and trim thresholds; return whether they were set.
+
+    With glibc's defaults a freed block of a few MB is unmapped (or trimmed off the
+    executor thread's heap), and the next step page-faults its activations in again: a
+    MNIST Net b64 step spent a quarter of its time in page faults. Above 32 MB blocks
+    are still mapped and unmapped; up to 256 MB of free memory stays at the top of each heap.
+    """
+    if not config.RETAIN_MEMORY or not sys.platform.startswith("linux"):
+        return False
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ or "MALLOC_TRIM_THRESHOLD_" in os.environ:
+        return False
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):  # not glibc
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, 32 << 20)) and bool(mallopt(_M_TRIM_THRESHOLD, 256 << 20))
+
+
+def drive_torch_lazy(mark_step, wait_device_ops) -> bool:
+    """Make torch._lazy.mark_step and wait_device_ops call ratex's `mark_step` and `wait_device_ops`
+    (unless RATEX_TORCH_LAZY_STEP=false); return whether they do."""
+    if not config.TORCH_LAZY_STEP:
+        return False
+
+    def torch_lazy_mark_step(device: str = "", wait: bool = False):
+        mark_step()
+        if wait:
+            wait_device_ops()
+
+    torch._lazy.mark_step = torch_lazy_mark_step
+    torch._lazy.wait_device_ops = lambda devices=None: wait_device_ops()
+    return True
