@@ -11,5 +11,5 @@ from .lazy_tensor_core.debug import metrics
 from . import jit  # noqa: E402  (ratex.jit.script)
 from . import debug, profiler  # noqa: E402,F401  (ratex.profiler.Profiler, RATEX_PROFILE, ratex.debug.graph_text)
 
-__version__ = "0.1.0"
+from .version import __version__
 __all__ = ["LazyTensor", "is_lazy", "jit", "lazy_model", "metrics", "__version__"]

@@ -13,10 +13,12 @@ import tvm_lowering
 from tvm_lowering import disk_cache, tuning
 from tvm_lowering.library_dispatch import AUTO_MIN_MACS
 from .. import config
+from ..version import __version__
 from . import kernels  # noqa: F401  (registers the ratex.lib.* kernel library)
 from . import metrics, progress
 from .device import backend
 from .graph import Graph, to_fx
+from .render import format_graph
 
 
 class Program:
@@ -199,8 +201,6 @@ def _origins(graph: Graph) -> str:
 
 
 def _save_ir(graph: Graph, mod, donated):
-    from ..debug import format_graph  # noqa: PLC0415  (debug imports the core)
-
     text = (
         f"==== graph {graph_hash(graph)}  compiled {time.strftime('%Y-%m-%d %H:%M:%S')}"
         f"  ({len(graph.nodes)} ops, {len(graph.leaves)} inputs, {len(graph.roots)} outputs)\n"
@@ -224,8 +224,6 @@ def _disk_cache():
     limit = config.CACHE_SIZE_MB << 20
     cache = _disk.get((root, limit))
     if cache is None:
-        import ratex  # noqa: PLC0415  (for its version; loaded by now)
-
         here = os.path.dirname(os.path.abspath(__file__))
         code = disk_cache.code_fingerprint([
             os.path.dirname(os.path.abspath(tvm_lowering.__file__)),
@@ -237,7 +235,7 @@ def _disk_cache():
         ])
         be = backend()
         salt = "|".join([
-            f"tvm={tvm.__version__}", f"target={be.target.key}", f"ratex={ratex.__version__}",
+            f"tvm={tvm.__version__}", f"target={be.target.key}", f"ratex={__version__}",
             f"code={code}", f"aliasing={config.PARAM_ALIASING}", f"kernels={getattr(config, 'KERNELS', None)}",
             f"cpu_schedule={os.environ.get('RATEX_CPU_SCHEDULE', '1')}",
         ])
