@@ -2,14 +2,18 @@
 
 `import ratex` is all it takes: tensors moved to 'lazy' record ATen ops, and
 `ratex.lazy_tensor_core.core.lazy_model.mark_step()` compiles and runs them.
+
+The core's layers (ratex/core/__init__.py) import only downwards; this module
+assembles them: loading the tracer and the sync layer installs them into
+LazyTensor, which then records ops and computes values on reads.
 """
 from . import config  # noqa: F401  (validates RATEX_* environment variables at import)
-from .core import tensor as _tensor  # noqa: F401  (registers the lazy device)
+from .core import sync, tracing  # noqa: F401  (install the tracer and the sync layer into LazyTensor)
 from .core.tensor import LazyTensor, is_lazy
 from .lazy_tensor_core.core import lazy_model
 from .lazy_tensor_core.debug import metrics
 from . import jit  # noqa: E402  (ratex.jit.script)
 from . import debug, profiler  # noqa: E402,F401  (ratex.profiler.Profiler, RATEX_PROFILE, ratex.debug.graph_text)
-
 from .version import __version__
+
 __all__ = ["LazyTensor", "is_lazy", "jit", "lazy_model", "metrics", "__version__"]
