@@ -30,6 +30,7 @@ def register(*keys, tier):
     def file(fn):
         for key in keys:
             _check(key, tier)
+        for key in keys:
             table[key] = fn
         return fn
 
