@@ -29,7 +29,7 @@ class LazyTensor(torch.Tensor):
     @staticmethod
     def __new__(cls, storage, chain, meta, stride=None, offset=0, value=None):
         contiguous = contiguous_strides(meta.shape)
-        if offset == 0 and (stride is None or stride == contiguous):  # the usual case, made cheaper
+        if offset == 0 and (stride is None or stride == contiguous):  # usual: a cheaper wrapper
             stride = contiguous
             t = _make_wrapper(cls, meta.shape, dtype=meta.dtype, device=LAZY)
         else:
