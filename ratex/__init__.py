@@ -2,20 +2,23 @@
 
 `import ratex` is all it takes: tensors moved to 'lazy' record ATen ops, and
 `ratex.lazy_tensor_core.core.lazy_model.mark_step()` compiles and runs them.
-What the import changes in the process is listed in ratex/process.py.
-"""
-__version__ = "0.1.0"  # before the core loads: the compile cache salts its entries with it
 
-from . import config  # noqa: E402,F401  (parses every RATEX_* environment variable; a bad value raises here)
-from . import process  # noqa: E402
+The core's layers (ratex/core/__init__.py) import only downwards; this module
+assembles them: loading the tracer and the sync layer installs them into
+LazyTensor, which then records ops and computes values on reads. What the
+import changes in the process is listed in ratex/process.py.
+"""
+from . import config  # noqa: F401  (parses every RATEX_* environment variable; a bad value raises here)
+from . import process
 
 process.apply()  # before TVM's thread pool starts: it reads the variables this sets
-from .core import tensor as _tensor  # noqa: E402,F401  (registers the lazy device)
+from .core import sync, tracing  # noqa: E402,F401  (install the tracer and the sync layer into LazyTensor)
 from .core.tensor import LazyTensor, is_lazy  # noqa: E402
 from .lazy_tensor_core.core import lazy_model  # noqa: E402
 from .lazy_tensor_core.debug import metrics  # noqa: E402
 from . import jit  # noqa: E402  (ratex.jit.script)
 from . import debug, profiler  # noqa: E402,F401  (ratex.profiler.Profiler, RATEX_PROFILE, ratex.debug.graph_text)
+from .version import __version__
 
 process.drive_torch_lazy(lazy_model.mark_step, lazy_model.wait_device_ops)
 

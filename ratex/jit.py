@@ -34,8 +34,8 @@ from torch.utils import _pytree as pytree
 from torch.utils.weak import WeakIdKeyDictionary
 
 from tvm_lowering import LoweringError, torchscript
-from .core import ops, random
 from .core.tensor import LazyTensor, is_lazy
+from .core.tracing import random, registry
 
 __all__ = ["script", "ScriptModule"]
 
@@ -96,7 +96,7 @@ def _call(op, key, tensors: list):
     anyway (every tensor lazy, no dispatch mode to see the call): the dispatcher's round trip
     boxes and unboxes both tensor lists on every call."""
     if not torch._C._len_torch_dispatch_stack() and all(type(t) is LazyTensor for t in tensors):
-        return ops.dispatch(op, (key, tensors), {})
+        return registry.dispatch(op, (key, tensors), {})
     return op(key, tensors)
 
 

@@ -43,7 +43,7 @@ program ahead). The first step and the last wait for their programs. With
 mark_step and execution end to end.
 
 Table 2 (ratex cells): tracing cost per ATen op on a cache hit, two ways, over
-the top-level ATen calls that reach ratex's handler (`ratex.core.ops.dispatch`)
+the top-level ATen calls that reach ratex's handler (`ratex.core.tracing.dispatch`)
 in one step (the nested calls of ratex's own decompositions are shown after a
 '+'): 'dispatch us/op' is the CPU time inside that handler per call, what ratex's
 tracer costs; 'trace us/op' is all the Python thread's CPU time in a step before
@@ -133,14 +133,15 @@ def run_cell(model_name, system, steps, warmup, caught=(), serial=False, gpu=Fal
 
     elif system in RATEX:
         import ratex
-        import ratex.core.ops as rops
+        import ratex.core.tensor as rtensor
+        import ratex.core.tracing.registry as rops
         import ratex.lazy_tensor_core.core.lazy_model as lm
         from ratex.lazy_tensor_core.debug import metrics
 
         dev = lm.lazy_device()
 
         mark, wait = lm.mark_step, lm.wait_device_ops
-        counter = _DispatchCounter(rops)
+        counter = _DispatchCounter(rops, rtensor)
     elif gpu:
         dev = torch.device("cuda")
         torch.backends.cudnn.allow_tf32 = False  # float32 convolutions, as ratex computes them
@@ -258,11 +259,11 @@ def _one_step_ahead(torch):
 
 
 class _DispatchCounter:
-    """Counts calls to ratex.core.ops.dispatch while installed (module attribute
-    swap: tensor.py calls `ops.dispatch`, ops.py's nested calls use the global)."""
+    """Counts calls to ratex's tracer while installed: LazyTensor's entry point (tensor.install)
+    and the router's nested calls (the tracing modules call `registry.dispatch`)."""
 
-    def __init__(self, ops_module):
-        self.ops = ops_module
+    def __init__(self, ops_module, tensor_module):
+        self.ops, self.tensor = ops_module, tensor_module
         self.orig = ops_module.dispatch
         self.total = self.top = self.depth = 0
         self.inside = 0.0  # CPU seconds inside top-level calls
@@ -286,9 +287,11 @@ class _DispatchCounter:
                     self.inside += clock() - t0
 
         self.ops.dispatch = counting
+        self.tensor.install(dispatch=counting)
 
     def uninstall(self):
         self.ops.dispatch = self.orig
+        self.tensor.install(dispatch=self.orig)
 
 
 def cell_main(args):

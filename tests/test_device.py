@@ -150,24 +150,24 @@ def test_long_run_without_mark_step_keeps_the_pending_list_short(dev, monkeypatc
     """The list of pending storages is compacted to one entry per live storage; a tensor
     written many times between syncs must not grow it without bound (or compact it on every
     write), and the value stays the one CPU PyTorch computes."""
-    from ratex.core import sync
+    from ratex.core import storage
 
     lm.mark_step()
-    monkeypatch.setattr(sync, "_COMPACT_MIN", 50)
-    monkeypatch.setattr(sync, "_compact_at", 50)
+    monkeypatch.setattr(storage, "_COMPACT_MIN", 50)
+    monkeypatch.setattr(storage, "_compact_at", 50)
     x, other = torch.zeros(3), torch.ones(3)
     lx, lother = x.to(dev), other.to(dev)
     lother.mul_(2.0)  # a second live pending storage, which compaction must keep
     for i in range(300):
         x.add_(i)
         lx.add_(i)
-        assert len(sync._pending) <= 100, (i, len(sync._pending))
+        assert len(storage._pending) <= 100, (i, len(storage._pending))
     assert torch.equal(lx.cpu(), x)
     assert torch.equal(lother.cpu(), other * 2.0)
     many = [t.to(dev) * 3.0 for t in torch.ones(40, 2)]  # 40 more live pending storages
     for i in range(100):
         lx.add_(i)
-    assert sync._compact_at > 50  # raised while they live: compacting again would keep them all
+    assert storage._compact_at > 50  # raised while they live: compacting again would keep them all
     lm.mark_step()
-    assert sync._compact_at == 50  # the next run between syncs starts from the minimum again
+    assert storage._compact_at == 50  # the next run between syncs starts from the minimum again
     assert torch.equal(many[-1].cpu(), torch.full((2,), 3.0))

@@ -11,7 +11,7 @@ import ratex
 import tvm_lowering
 from ratex import jit
 from ratex.lazy_tensor_core.core import lazy_model as lm
-from ratex.core import random
+from ratex.core.tracing import random
 from ratex.lazy_tensor_core.debug import metrics
 
 from models import LeNet5

@@ -4,7 +4,7 @@ They are recorded (no eager fallback) and draw from a seed that is a graph input
 distributions match PyTorch's (moments of 1e5 samples, support, dtype, shape), a cached
 program draws fresh numbers every step with one compile, torch.manual_seed makes a run
 repeat, and the compiled program computes what the CPU reference implementation
-(ratex.core.random on CPU tensors) computes. The numbers themselves differ from
+(ratex.core.tracing.random on CPU tensors) computes. The numbers themselves differ from
 PyTorch's CPU generator's: another algorithm.
 """
 import pytest
@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 import ratex.lazy_tensor_core.core.lazy_model as lm
 import tvm_lowering
-from ratex.core import graph, random, sync
+from ratex.core import graph, sync
+from ratex.core.tracing import random
 from ratex.lazy_tensor_core.debug import metrics
 
 LAZY = torch.device("lazy", 0)

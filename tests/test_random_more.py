@@ -4,7 +4,7 @@ Like tests/test_random.py: each op is recorded (no `aten::` fallback counter), i
 distribution matches PyTorch's CPU one over 1e5 samples (moments after a map that
 makes them comparable, support, dtype, shape), a cached program draws fresh numbers
 every step, torch.manual_seed repeats a run, and the compiled program computes what
-the CPU reference implementation (ratex.core.random on CPU tensors) computes.
+the CPU reference implementation (ratex.core.tracing.random on CPU tensors) computes.
 """
 import math
 
@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 import ratex.lazy_tensor_core.core.lazy_model as lm
-from ratex.core import random, sync
+from ratex.core import sync
+from ratex.core.tracing import random
 from ratex.lazy_tensor_core.debug import metrics
 from test_random import assert_same_distribution, draw_all
 

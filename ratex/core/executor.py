@@ -10,11 +10,13 @@ from tvm import relax
 
 import tvm_lowering
 from tvm_lowering import disk_cache
-from .. import __version__, config, process
+from .. import config, process
+from ..version import __version__
 from . import kernels  # noqa: F401  (registers the ratex.lib.* kernel library)
 from . import metrics, progress
 from .device import backend
 from .graph import Graph, to_fx
+from .render import format_graph
 
 # The process's compiled programs: in memory, then in RATEX_CACHE_DIR (see `_attach`).
 CACHE = tvm_lowering.CompileCache()
@@ -224,8 +226,6 @@ def _origins(graph: Graph) -> str:
 
 
 def _save_ir(graph: Graph, mod, donated):
-    from ..debug import format_graph  # noqa: PLC0415  (debug imports the core)
-
     text = (
         f"==== graph {graph_hash(graph)}  compiled {time.strftime('%Y-%m-%d %H:%M:%S')}"
         f"  ({len(graph.nodes)} ops, {len(graph.leaves)} inputs, {len(graph.roots)} outputs)\n"

@@ -3,6 +3,8 @@
 Errors PyTorch raises for bad shapes come out here, at the op that caused
 them, not at mark_step.
 """
+import functools
+
 import torch
 
 from .ir import Meta, fill
@@ -72,3 +74,13 @@ def _pack(outs, kind):
 
 def _takes_device(op) -> bool:
     return any(a.name == "device" for a in op._schema.arguments)
+
+
+@functools.lru_cache(maxsize=4096)
+def contiguous_strides(shape: tuple) -> tuple:
+    """Return the strides of a contiguous tensor of `shape`."""
+    strides, acc = [], 1
+    for s in reversed(shape):
+        strides.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(strides))

@@ -1,55 +1,21 @@
 """Sync points: compute pending values, through the compile cache, and keep the results.
 
 Programs are launched asynchronously (see launch.py); this module decides what
-to compile or run eagerly and hands compiled programs over.
+to compile or run eagerly and hands compiled programs over. Importing it installs
+`execute` as what reading a pending lazy tensor calls (tensor.install).
 """
 import warnings
-import weakref
 
 import tvm_lowering
 from .. import config
-from . import launch, metrics
+from . import launch, metrics, storage, tensor
 from .launch import ExecutionError, Pending, resolve  # noqa: F401  (the sync API)
-from .device import backend
 from .executor import CACHE, cache_key, compile_graph, load_program
 from .graph import cut
-from .ir import Node, fill, op_name
-
-# Storages whose value may still be uncomputed, in the order they became pending:
-# a deterministic root order keeps the graph key stable from step to step.
-_pending = []  # weak references, in order; compacted when long (see track)
-unlowerable = set()  # node keys whose rule failed: such ops run eagerly from now on
-
-
-def track(storage):
-    """Remember a storage whose value was just replaced by a pending one."""
-    global _compact_at
-    _pending.append(weakref.ref(storage))
-    if len(_pending) > _compact_at:
-        # A long run with no mark_step: keep one reference per live pending storage, and
-        # compact again only once the list has doubled (a storage written 100k times, or
-        # 100k distinct pending ones, would otherwise compact on every write).
-        live = pending_storages()
-        _pending[:] = [weakref.ref(st) for st in live]
-        _compact_at = max(_COMPACT_MIN, 2 * len(live))
-
-
-_COMPACT_MIN = 100_000
-_compact_at = _COMPACT_MIN
-
-
-def pending_storages() -> list:
-    """Return the live storages whose value is not computed, in the order they became pending."""
-    seen, out = set(), []  # storages hash by identity
-    for ref in _pending:
-        st = ref()
-        if st is not None and st not in seen:
-            node, idx = st.value  # once per write since the last sync: no calls
-            if node.results[idx] is None:
-                seen.add(st)
-                out.append(st)
-    return out
-
+from .ir import Node, op_name
+from .storage import pending_storages  # noqa: F401  (the sync API)
+from .tracing import eager
+from .tracing.eager import unlowerable
 
 _depth = 0  # execute() nests (eager fallbacks); only the outermost call is a "Sync" span
 
@@ -78,7 +44,7 @@ def donations(graph, written) -> tuple:
     """(leaf, root) index pairs of `graph` where the root is the new value of a storage in `written`
     and the leaf its old value.
 
-    Each old value has one owner: clones copy (ops._clone) and programs give
+    Each old value has one owner: clones copy (tracing/fills.py) and programs give
     every output its own buffer (Program.run), so no other live tensor reads the
     leaf's buffer once the tensor it belonged to has moved on.
     """
@@ -179,8 +145,6 @@ def _execute(values: list, written, aliasing: bool):
         return
 
 
-
-
 def _label(graph) -> str:
     ops = sorted({op_name(n.op) for n in graph.nodes})
     return f"{hash(graph.key) & 0xFFFFFFFF:08x} [{', '.join(ops[:8])}{', ...' if len(ops) > 8 else ''}]"
@@ -197,17 +161,9 @@ def _warn_once(node, err):
 
 
 def run_eagerly(node: Node):
-    """Compute one op node on CPU PyTorch from its (computed) inputs."""
+    """Compute one op node on CPU PyTorch, its inputs first; return None."""
     execute(list(node.inputs))
-    be = backend()
-    cpu_inputs = [be.view_cpu(resolve(n.results[i])) for n, i in node.inputs]
-    args, kwargs = fill(node.spec, cpu_inputs)
-    out = node.op(*args, **kwargs)
-    outs = list(out) if node.multi else [out]
-    metrics.counter_inc(f"aten::{op_name(node.op)}")
-    for i, o in enumerate(outs):
-        if o is not None:
-            node.set_result(i, be.upload(o))  # a copy: eager outputs may alias inputs
+    eager.run_node(node)
 
 
 _step_closures = []
@@ -220,12 +176,9 @@ def add_step_closure(fn, args=()):
 
 def mark_step():
     """Compute every live pending tensor in one program and make the results their data."""
-    global _compact_at
     metrics.counter_inc("MarkStep")
     with metrics.span("MarkStep"):
-        storages = pending_storages()
-        _pending.clear()
-        _compact_at = _COMPACT_MIN  # a threshold a long run raised ends with it
+        storages = storage.take_pending()
         with launch.rollback_point([(st, st.prev) for st in storages]):
             execute([st.value for st in storages], storages)
         for st in storages:
@@ -248,3 +201,5 @@ def reset_cache():
     """Forget every compiled program in memory (tests use this to count compiles)."""
     CACHE.clear()
 
+
+tensor.install(execute=execute)

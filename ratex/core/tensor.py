@@ -1,86 +1,26 @@
 """LazyTensor: a torch.Tensor on the `lazy` device that records ops instead of running them.
 
-Every tensor points at a `Storage` (shared by a base tensor and all its views)
-holding the base's current value, plus the chain of view ops that leads from
-the base to this tensor. Reads replay the chain when the storage changed;
-in-place writes compute the new value functionally and scatter it back through
-the chain (`*_scatter` ops), so a write through any view is seen by all.
-"""
-import functools
-import os
-import sys
-import traceback
+Every tensor points at a `Storage` (storage.py; shared by a base tensor and all
+its views) holding the base's current value, plus the chain of view ops that
+leads from the base to this tensor. Reads replay the chain when the storage
+changed; in-place writes compute the new value functionally and scatter it back
+through the chain (chain.py), so a write through any view is seen by all.
 
+Ops on lazy tensors go to the tracer (ratex/core/tracing), reads of pending values
+to the sync layer (ratex/core/sync.py): both sit above this module and install
+their entry points here (see `install`).
+"""
 import torch
 from torch.utils._pytree import tree_map
 
-from .. import config
-
-from . import composite, launch, metrics, ops, random, sync  # noqa: F401
+from . import launch, metrics
+from .chain import replay, scatter_back
 from .device import LAZY, backend
 from .ir import Meta, Node
+from .shape import contiguous_strides
+from .storage import Storage
 
 aten = torch.ops.aten
-
-
-class Storage:
-    """The current value of a base tensor, shared with its views; `version` counts writes."""
-
-    __slots__ = ("value", "version", "prev", "__weakref__")
-
-    def __init__(self, value):
-        self.value = value
-        self.version = 0
-        self.prev = None  # the last computed value, restored if the step computing `value` fails
-
-    def write(self, value):
-        current = self.value
-        if current[0].results[current[1]] is not None:
-            self.prev = current
-        self.value = value
-        self.version += 1
-        if value[0].results[value[1]] is None:
-            sync.track(self)
-            if config.SAVE_IR:
-                _note_origin(value[0])
-
-    def rebind(self):
-        """After a sync, point at a fresh data leaf so the op graph behind it can be freed.
-
-        A single-output node that is computed has let go of its inputs already; it
-        is kept, so views that cached it and this storage name the same value (a
-        buffer that two leaves name is never donated, see sync.donations).
-        """
-        node, idx = self.value
-        data = node.results[idx]
-        if data is not None and node.op is not None and (node.inputs or len(node.results) > 1):
-            self.value = (Node.leaf(data, node.metas[idx]), 0)
-
-
-def _package_dir(module) -> str:
-    return os.path.dirname(os.path.abspath(module.__file__)) + os.sep
-
-
-# Frames in these packages are not the user's. By directory, not by a "/ratex/" in the path:
-# a checkout named ratex (tests/ in it) would otherwise hide the user's own frames.
-_INTERNAL = tuple(
-    _package_dir(m) for m in (sys.modules["ratex"], sys.modules["tvm_lowering"], torch, sys.modules["tvm"])
-)
-
-
-def _note_origin(node):
-    """Remember the user's frames that produced `node` (for RATEX_SAVE_IR dumps)."""
-    frames = [f for f in traceback.extract_stack(limit=40)[:-2] if not f.filename.startswith(_INTERNAL)]
-    node.origin = [f"{f.filename}:{f.lineno} in {f.name}" for f in frames[-3:]]
-
-
-@functools.lru_cache(maxsize=4096)
-def _contiguous_strides(shape: tuple) -> tuple:
-    strides, acc = [], 1
-    for s in reversed(shape):
-        strides.append(acc)
-        acc *= max(s, 1)
-    return tuple(reversed(strides))
 
 
 class LazyTensor(torch.Tensor):
@@ -88,8 +28,8 @@ class LazyTensor(torch.Tensor):
 
     @staticmethod
     def __new__(cls, storage, chain, meta, stride=None, offset=0, value=None):
-        contiguous = _contiguous_strides(meta.shape)
-        if offset == 0 and (stride is None or stride == contiguous):  # the usual case, ~0.35 us cheaper
+        contiguous = contiguous_strides(meta.shape)
+        if offset == 0 and (stride is None or stride == contiguous):  # usual: a cheaper wrapper
             stride = contiguous
             t = _make_wrapper(cls, meta.shape, dtype=meta.dtype, device=LAZY)
         else:
@@ -107,12 +47,7 @@ class LazyTensor(torch.Tensor):
     def from_value(cls, value, stride=None, offset=0):
         """Return a new base tensor whose value is `value` (a pending or computed IR value)."""
         node, idx = value
-        st = Storage(value)
-        if node.results[idx] is None:
-            sync.track(st)
-            if config.SAVE_IR:
-                _note_origin(node)
-        return cls(st, (), node.metas[idx], stride, offset)
+        return cls(Storage(value), (), node.metas[idx], stride, offset)
 
     @classmethod
     def from_cpu(cls, cpu: torch.Tensor, adopt=False):
@@ -130,7 +65,7 @@ class LazyTensor(torch.Tensor):
         if version != self._st.version or value is None:
             value = self._st.value
             for op, spec in self._chain:
-                value = ops.record_value(op, spec, value)
+                value = replay(op, spec, value)
             self._cache = (self._st.version, value)
         return value
 
@@ -141,7 +76,7 @@ class LazyTensor(torch.Tensor):
         """Return computed device data of this tensor, running what is pending."""
         value = self._value()
         if value[0].results[value[1]] is None:
-            sync.execute([value])
+            _execute([value])
             if not self._chain:
                 self._st.rebind()
         node, idx = value
@@ -157,10 +92,10 @@ class LazyTensor(torch.Tensor):
             return
         bases = [self._st.value]
         for op, spec in self._chain[:-1]:
-            bases.append(ops.record_value(op, spec, bases[-1]))
+            bases.append(replay(op, spec, bases[-1]))
         new = value
         for (op, spec), base in zip(reversed(self._chain), reversed(bases)):
-            new = ops.scatter_back(op, spec, base, new)
+            new = scatter_back(op, spec, base, new)
         self._st.write(new)
         self._cache = (self._st.version, value)
 
@@ -217,7 +152,7 @@ class LazyTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        return ops.dispatch(func, args, kwargs or {})
+        return _dispatch(func, args, kwargs or {})
 
 
 _make_wrapper = torch.Tensor._make_wrapper_subclass
@@ -234,6 +169,32 @@ def _rebuild_lazy(cpu, requires_grad):
 def is_lazy(t) -> bool:
     """Return whether `t` is a tensor on the lazy device."""
     return isinstance(t, LazyTensor)
+
+
+# ---- entry points of the layers above ------------------------------------------------
+# Tracing an op on a lazy tensor is the job of ratex/core/tracing, computing a pending
+# value the job of ratex/core/sync.py; both import this module. Each installs its entry
+# point here when it is imported, so that this module imports neither (`import ratex`
+# loads both).
+def _missing(what, module):
+    def fail(*args, **kwargs):
+        raise RuntimeError(f"ratex: {what} needs {module}, which is not loaded; `import ratex` loads it")
+
+    return fail
+
+
+_dispatch = _missing("tracing an op on a lazy tensor", "ratex.core.tracing")  # dispatch(func, args, kwargs)
+_execute = _missing("reading a lazy tensor", "ratex.core.sync")  # execute(values): compute pending values
+
+
+def install(*, dispatch=None, execute=None):
+    """Make `dispatch` the tracer of ops on lazy tensors and/or `execute` what computes pending
+    values (each layer passes its own at import); return None."""
+    global _dispatch, _execute
+    if dispatch is not None:
+        _dispatch = dispatch
+    if execute is not None:
+        _execute = execute
 
 
 # ---- the Lazy dispatch key: ops that create lazy tensors from nothing lazy --------

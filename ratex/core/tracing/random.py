@@ -25,7 +25,11 @@ import math
 import torch
 
 from tvm_lowering.counter_rng import words
-from . import ops, tensor
+from ..tensor import LazyTensor, is_lazy
+from .eager import run as eager
+from .inplace import assign
+from .record import functional
+from .registry import HANDLER, register
 
 aten = torch.ops.aten
 _lib = torch.library.Library("ratex", "DEF")
@@ -44,7 +48,7 @@ def _random_bits_meta(seed, size):
 
 
 # Dropout's keep mask as one op: the mask's arithmetic on random_bits (below, in
-# `bernoulli`) traced as six ops, ~200 us of a dropout's tracing. It computes the same
+# `bernoulli`) traced as six ops, most of a dropout's tracing. It computes the same
 # bits: not (uniform24(bits) < p).
 _lib.define("dropout_keep(Tensor seed, int[] size, Tensor p) -> Tensor")
 
@@ -220,7 +224,7 @@ def multinomial(seed, probs, num_samples, replacement):
 
 def _scalar(value, dtype, like):
     cpu = torch.tensor(value, dtype=dtype)
-    return tensor.LazyTensor.from_cpu(cpu, adopt=True) if tensor.is_lazy(like) else cpu
+    return LazyTensor.from_cpu(cpu, adopt=True) if is_lazy(like) else cpu
 
 
 def reference(fn, seed, *args, **kwargs):
@@ -238,7 +242,7 @@ def _bind(func, args, kwargs) -> dict:
 
 
 def _seed(a):
-    return tensor.LazyTensor.from_cpu(new_seed(a.get("generator")), adopt=True)
+    return LazyTensor.from_cpu(new_seed(a.get("generator")), adopt=True)
 
 
 def _torch_checks(inplace_op, a, *names):
@@ -340,7 +344,7 @@ def _randint_like(a):
 
 def _randperm_out(a):
     n, out = a["n"], a["out"]
-    if n < 0 or tuple(out.shape) != (n,) or not tensor.is_lazy(out):
+    if n < 0 or tuple(out.shape) != (n,) or not is_lazy(out):
         return NotImplemented  # PyTorch's error, or an `out` to resize
     return randperm(_seed(a), n, out.dtype)
 
@@ -363,7 +367,7 @@ def _multinomial(a):
     return multinomial(_seed(a), probs, n, replacement)
 
 
-def _register(builder, *funcs):
+def _handled_by(builder, *funcs):
     """Route `funcs` to `builder(bound args)`; in-place and out= forms write its result back."""
 
     def handle(func, args, kwargs):
@@ -374,14 +378,13 @@ def _register(builder, *funcs):
         target = a["out"] if "out" in a else a["self"] if func._schema.is_mutable else None
         out = builder(a)  # with no elements, every op's output is device data at once: nothing runs
         if out is NotImplemented:
-            return ops.eager(func, args, kwargs)
+            return eager(func, args, kwargs)
         if target is None:
             return out
-        ops.assign(target, out)
+        assign(target, out)
         return target
 
-    for f in funcs:
-        ops.HANDLERS[f] = handle
+    register(*funcs, tier=HANDLER)(handle)
 
 
 def _floats_only(builder):
@@ -392,37 +395,38 @@ def _floats_only(builder):
     return build
 
 
-_register(_floats_only(_uniform), aten.uniform_.default, aten.uniform.default)
-_register(_floats_only(_normal_), aten.normal_.default, aten.normal_functional.default)
-_register(_normal_tensors, aten.normal.Tensor_Tensor, aten.normal.Tensor_float, aten.normal.float_Tensor)
-_register(_floats_only(_exponential), aten.exponential_.default, aten.exponential.default)
-_register(_floats_only(_log_normal), aten.log_normal_.default, aten.log_normal.default)
-_register(_floats_only(_cauchy), aten.cauchy_.default, aten.cauchy.default)
-_register(_geometric, aten.geometric_.default, aten.geometric.default)
-_register(_bernoulli, aten.bernoulli.default, aten.bernoulli.p, aten.bernoulli.Tensor,
+_handled_by(_floats_only(_uniform), aten.uniform_.default, aten.uniform.default)
+_handled_by(_floats_only(_normal_), aten.normal_.default, aten.normal_functional.default)
+_handled_by(_normal_tensors, aten.normal.Tensor_Tensor, aten.normal.Tensor_float, aten.normal.float_Tensor)
+_handled_by(_floats_only(_exponential), aten.exponential_.default, aten.exponential.default)
+_handled_by(_floats_only(_log_normal), aten.log_normal_.default, aten.log_normal.default)
+_handled_by(_floats_only(_cauchy), aten.cauchy_.default, aten.cauchy.default)
+_handled_by(_geometric, aten.geometric_.default, aten.geometric.default)
+_handled_by(_bernoulli, aten.bernoulli.default, aten.bernoulli.p, aten.bernoulli.Tensor,
           aten.bernoulli_.float, aten.bernoulli_.Tensor)
-_register(_random, *[getattr(packet, ov) for packet in (aten.random_, aten.random) for ov in ("from", "to", "default")])
-_register(_floats_only(lambda a: _like(a, uniform)), aten.rand_like.default, aten.rand_like.generator)
-_register(_floats_only(lambda a: _like(a, normal)), aten.randn_like.default, aten.randn_like.generator)
-_register(_randint_like, aten.randint_like.default, aten.randint_like.low_dtype,
+_handled_by(_random, *[getattr(packet, ov) for packet in (aten.random_, aten.random) for ov in ("from", "to", "default")])
+_handled_by(_floats_only(lambda a: _like(a, uniform)), aten.rand_like.default, aten.rand_like.generator)
+_handled_by(_floats_only(lambda a: _like(a, normal)), aten.randn_like.default, aten.randn_like.generator)
+_handled_by(_randint_like, aten.randint_like.default, aten.randint_like.low_dtype,
           aten.randint_like.generator, aten.randint_like.low_generator_dtype)
-_register(_randperm_out, aten.randperm.generator_out, aten.randperm.out)
-_register(_multinomial, aten.multinomial.default)
+_handled_by(_randperm_out, aten.randperm.generator_out, aten.randperm.out)
+_handled_by(_multinomial, aten.multinomial.default)
 
 
+@register(aten.native_dropout.default, tier=HANDLER)
 def _native_dropout(func, args, kwargs):
     """Training-mode dropout: keep where a uniform >= p, scaled by 1 / (1 - p); returns (out, mask)."""
     x, p = args[0], args[1]
     train = args[2] if len(args) > 2 else kwargs.get("train")
     if not train or p == 0 or p >= 1 or not x.dtype.is_floating_point:
-        return ops._functional(func, args, kwargs)
+        return functional(func, args, kwargs)
     keep = dropout_keep(_seed({}), x.shape, p)
     return apply_dropout(x, keep, p), keep
 
 
-ops.HANDLERS[aten.native_dropout.default] = _native_dropout
 
-
+@register(aten.rrelu_with_noise.default, aten.rrelu_with_noise_.default, aten.rrelu_with_noise_functional.default,
+          tier=HANDLER)
 def _rrelu_with_noise(func, args, kwargs):
     """Randomized leaky ReLU; returns its output ((output, noise) for the functional form).
 
@@ -433,12 +437,12 @@ def _rrelu_with_noise(func, args, kwargs):
     a = _bind(func, args, kwargs)
     x, noise, lower, upper = a["self"], a["noise"], a["lower"], a["upper"]
     if not x.dtype.is_floating_point or tuple(noise.shape) != tuple(x.shape):
-        return ops.eager(func, args, kwargs)  # PyTorch's error, or a noise tensor to resize
+        return eager(func, args, kwargs)  # PyTorch's error, or a noise tensor to resize
     if lower > upper:  # PyTorch checks this on CPU only when there are elements
         raise RuntimeError(f"Lower bound should be less than or equal to the upper bound, got lower={lower} > upper={upper}")
     if a["training"]:
         slope = uniform(_seed(a), x.shape, x.dtype, lower, upper)
-        ones = ops._functional(aten.ones_like.default, (slope,), {})
+        ones = functional(aten.ones_like.default, (slope,), {})
         noise_value = aten.where.self(aten.le.Scalar(x, 0), slope, ones)
         out = aten.mul.Tensor(x, noise_value)
     else:
@@ -447,12 +451,9 @@ def _rrelu_with_noise(func, args, kwargs):
     if func is aten.rrelu_with_noise_functional.default:
         return out, aten.clone.default(noise) if noise_value is None else noise_value
     if noise_value is not None:
-        ops.assign(noise, noise_value)
+        assign(noise, noise_value)
     if func is aten.rrelu_with_noise_.default:
-        ops.assign(x, out)
+        assign(x, out)
         return x
     return out
 
-
-for _f in (aten.rrelu_with_noise.default, aten.rrelu_with_noise_.default, aten.rrelu_with_noise_functional.default):
-    ops.HANDLERS[_f] = _rrelu_with_noise

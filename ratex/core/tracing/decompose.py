@@ -1,0 +1,162 @@
+"""ratex's own decompositions: ops re-expressed in simpler ATen ops that lower well.
+
+Scalars folded into an op (alpha, value, weight) become multiplies whose float
+scalars are lifted to graph inputs; where/index_put with scalars or a mask become
+`where`; torch.equal a reduction on the device; the prims that PyTorch's
+reference decompositions are written in become ATen ops; backward helpers are
+scatters into zeros. A decomposition may return NotImplemented to leave the call
+to the op's own path.
+
+These run inside __torch_dispatch__, below autograd: their ops go to the router
+directly rather than through torch's dispatcher again (a round trip per op).
+"""
+import torch
+
+from ..tensor import LazyTensor
+from . import registry
+from .capture import is_arg_tensor
+from .record import float_scalar_dtype, functional, liftable, value_op
+from .registry import DECOMPOSITION, register
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+
+def _call(op, *args, **kwargs):
+    return registry.dispatch(op, args, kwargs)
+
+
+# ---- scalars folded into arithmetic ---------------------------------------------------------
+# Each takes `last`, which records the final op: `_call` for a decomposition (a tensor the user
+# gets), `value_op` for the in-place fast path (a value written straight into the target).
+def _add_alpha(func):
+    def decomp(a, b, *, alpha=1, last=_call):
+        if alpha == 1 or not is_arg_tensor(b):
+            return NotImplemented
+        return last(func, a, value_op(aten.mul.Tensor, b, alpha))
+
+    return decomp
+
+
+register(aten.add.Tensor, tier=DECOMPOSITION)(_add_alpha(aten.add.Tensor))
+register(aten.sub.Tensor, tier=DECOMPOSITION)(_add_alpha(aten.sub.Tensor))
+
+
+@register(aten.addcmul.default, tier=DECOMPOSITION)
+def addcmul(self, t1, t2, *, value=1, last=_call):
+    """Return self + value * t1 * t2, its last op recorded by `last`."""
+    return last(aten.add.Tensor, self, value_op(aten.mul.Tensor, value_op(aten.mul.Tensor, t1, value), t2))
+
+
+@register(aten.addcdiv.default, tier=DECOMPOSITION)
+def addcdiv(self, t1, t2, *, value=1, last=_call):
+    """Return self + t1 / t2 * value, its last op recorded by `last`."""
+    return last(aten.add.Tensor, self, value_op(aten.mul.Tensor, value_op(aten.div.Tensor, t1, t2), value))
+
+
+@register(aten.lerp.Scalar, tier=DECOMPOSITION)
+def lerp_scalar(self, end, weight, *, last=_call):
+    """Return self + (end - self) * weight, its last op recorded by `last`."""
+    return last(aten.add.Tensor, self, value_op(aten.mul.Tensor, value_op(aten.sub.Tensor, end, self), weight))
+
+
+@register(aten.rsub.Scalar, tier=DECOMPOSITION)
+def _rsub_scalar(self, other, alpha=1):
+    scaled = self if alpha == 1 else aten.mul.Tensor(self, alpha)
+    if not liftable(other):
+        return NotImplemented
+    dtype = float_scalar_dtype(self.dtype)
+    lhs = LazyTensor.from_cpu(torch.tensor(other, dtype=dtype), adopt=True)
+    return aten.sub.Tensor(lhs, scaled)
+
+
+# ---- selections ------------------------------------------------------------------------------
+@register(aten.where.ScalarSelf, aten.where.ScalarOther, aten.where.Scalar, tier=DECOMPOSITION)
+def _where_scalars(cond, a, b):
+    """where with Python scalars: the scalars become 0-dim tensors of the promoted dtype."""
+    dtype = torch.result_type(a, b)
+    a, b = (x if isinstance(x, torch.Tensor) else functional(aten.full.default, ([], x), {"dtype": dtype})
+            for x in (a, b))
+    return aten.where.self(cond, aten._to_copy.default(a, dtype=dtype), aten._to_copy.default(b, dtype=dtype))
+
+
+@register(aten.index_put.default, tier=DECOMPOSITION)
+def _index_put_mask(self, indices, values, accumulate=False):
+    """x[mask] = v with one boolean mask and a single value is a `where` (no data-dependent shape)."""
+    if len(indices) != 1 or indices[0] is None or indices[0].dtype not in (torch.bool, torch.uint8):
+        return NotImplemented
+    mask = indices[0]
+    if values.numel() != 1 or tuple(mask.shape) != tuple(self.shape[:mask.dim()]):
+        return NotImplemented
+    mask = aten.view.default(mask.to(self.device).bool(), list(mask.shape) + [1] * (self.dim() - mask.dim()))
+    value = aten._to_copy.default(aten.view.default(values, []), dtype=self.dtype)
+    if accumulate:
+        value = aten.add.Tensor(self, value)
+    return aten.where.self(mask, value, self)
+
+
+@register(aten.equal.default, tier=DECOMPOSITION)
+def _equal(a, b):
+    """torch.equal as a reduction on the device: one boolean comes back, not both tensors."""
+    if not isinstance(b, torch.Tensor) or a.dtype != b.dtype:
+        return NotImplemented
+    if tuple(a.shape) != tuple(b.shape):
+        return False
+    return bool(aten.all.default(aten.eq.Tensor(a, b)).item())
+
+
+# ---- prims: PyTorch's reference decompositions are written with them ---------------------
+register(prims.where.default, tier=DECOMPOSITION)(aten.where.self)
+
+
+@register(prims.div.default, tier=DECOMPOSITION)
+def _prims_div(a, b):
+    if a.dtype.is_floating_point or a.dtype.is_complex:
+        return aten.div.Tensor(a, b)
+    return aten.div.Tensor_mode(a, b, rounding_mode="trunc")
+
+
+@register(prims.broadcast_in_dim.default, tier=DECOMPOSITION)
+def _prims_broadcast_in_dim(a, shape, broadcast_dimensions):
+    sizes = [1] * len(shape)
+    for size, d in zip(a.shape, broadcast_dimensions):
+        sizes[d] = size
+    return aten.expand.default(aten.view.default(a, sizes), list(shape))
+
+
+@register(prims.var.default, tier=DECOMPOSITION)
+def _prims_var(a, dims, correction=1, *, output_dtype=None):
+    return aten.var.correction(a, dims, correction=correction)
+
+
+@register(prims.sum.default, tier=DECOMPOSITION)
+def _prims_sum(a, dims, *, output_dtype=None):
+    return aten.sum.dim_IntList(a, dims, dtype=output_dtype)
+
+
+@register(prims.convert_element_type.default, tier=DECOMPOSITION)
+def _prims_convert_element_type(a, dtype):
+    return aten._to_copy.default(a, dtype=dtype)
+
+
+# ---- backward helpers PyTorch emits that are scatters into zeros ----------------------------
+def _zeros(sizes, like):
+    return functional(aten.full.default, (list(sizes), 0), {"dtype": like.dtype})
+
+
+@register(aten.select_backward.default, tier=DECOMPOSITION)
+def _select_backward(grad, input_sizes, dim, index):
+    return aten.select_scatter.default(_zeros(input_sizes, grad), grad, dim, index)
+
+
+@register(aten.slice_backward.default, tier=DECOMPOSITION)
+def _slice_backward(grad, input_sizes, dim, start, end, step):
+    return aten.slice_scatter.default(_zeros(input_sizes, grad), grad, dim, start, end, step)
+
+
+@register(aten._safe_softmax.default, tier=DECOMPOSITION)
+def _safe_softmax(x, dim, dtype=None):
+    """softmax, but 0 (not NaN) for rows that are entirely -inf (masked-out attention rows)."""
+    out = aten._softmax.default(x if dtype is None else aten._to_copy.default(x, dtype=dtype), dim, False)
+    masked = aten.eq.Scalar(aten.amax.default(x, [dim], True), float("-inf"))
+    return aten.where.self(masked, functional(aten.zeros_like.default, (out,), {}), out)
