@@ -166,6 +166,18 @@ def _rebuild_lazy(cpu, requires_grad):
     return t.requires_grad_(requires_grad) if requires_grad else t
 
 
+def check_device(device) -> torch.device:
+    """Return the lazy device `device` (a torch.device or a string such as 'lazy:0') names; raise a
+    ValueError naming it where its index is not 0, since ratex has one lazy device."""
+    device = torch.device(device)
+    if device.index not in (None, 0):
+        raise ValueError(
+            f"lazy device index {device.index} ({str(device)!r}) does not exist; ratex has one lazy device: "
+            "'lazy' or 'lazy:0'"
+        )
+    return LAZY
+
+
 def is_lazy(t) -> bool:
     """Return whether `t` is a tensor on the lazy device."""
     return isinstance(t, LazyTensor)
@@ -203,6 +215,9 @@ _MOVE_ONLY = frozenset(("device", "pin_memory", "non_blocking", "layout"))
 
 def _lazy_key_kernel(op, *args, **kwargs):
     """Factories with device='lazy' and `cpu.to('lazy')`: run on CPU, keep the result as data."""
+    device = kwargs.get("device")
+    if device is not None and device.type == "lazy":
+        check_device(device)
     if op is aten._to_copy.default:
         src = args[0]
         kw = {k: v for k, v in kwargs.items() if k not in _MOVE_ONLY and not (k == "dtype" and v == src.dtype)}
