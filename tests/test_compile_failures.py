@@ -1,0 +1,71 @@
+"""A graph that fails to compile: the failing node is found in few compiles, remembered across shapes."""
+import math
+import warnings
+
+import pytest
+import torch
+
+import ratex.lazy_tensor_core.core.lazy_model as lm
+from ratex.core import executor
+from ratex.core.tracing import eager
+from ratex.lazy_tensor_core.debug import metrics
+
+_SIN = "aten::sin"
+
+
+@pytest.fixture
+def sin_fails(monkeypatch):
+    """From now on, compiling a graph that holds a sin raises in TVM, as a failing pass does;
+    return the list of the node counts of every graph compiled (or tried)."""
+    compile_, tried = executor._compile, []
+
+    def failing(graph, *args):
+        tried.append(len(graph.nodes))
+        if any(n.op is torch.ops.aten.sin.default for n in graph.nodes):
+            raise RuntimeError("InternalError: Check failed: injected failure of a pass")
+        return compile_(graph, *args)
+
+    monkeypatch.setattr(executor, "_compile", failing)
+    eager.unlowerable.pop(_SIN, None)
+    yield tried
+    eager.unlowerable.pop(_SIN, None)
+
+
+def _chain(x, links: int):
+    """`links` elementwise ops on x with a sin in the middle."""
+    for k in range(links):
+        x = torch.sin(x) if k == links // 2 else x * 1.01 + 0.1 if k % 2 else x.tanh()
+    return x
+
+
+@pytest.mark.parametrize("links", [12])
+def test_the_failing_node_is_found_in_log_n_compiles_and_remembered_for_new_shapes(dev, sin_fails, links):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the one warning that sin runs on CPU
+        for size in (3, 5):
+            x = torch.randn(size)
+            del sin_fails[:]
+            got = _chain(x.to(dev), links)
+            lm.mark_step()
+            torch.testing.assert_close(got.cpu(), _chain(x, links))
+            if size == 3:  # the search: halves, recursing into the failing one
+                levels = math.ceil(math.log2(sin_fails[0]))
+                assert sin_fails[0] > links and len(sin_fails) <= 2 * levels + 1, sin_fails
+                assert metrics.counter_value("FailedCompile") <= levels + 1
+            else:  # a new shape: sin runs eagerly from the start, the rest is one program each side of it
+                assert len(sin_fails) == 2 and all(n < links for n in sin_fails), sin_fails
+    assert metrics.counter_value("aten::sin.default") == 2
+    assert metrics.counter_value("FailedCompile") <= levels + 1  # none after the first shape
+
+
+def test_a_remembered_failure_keeps_to_its_op_arguments_and_dtypes(dev, sin_fails):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.sin(torch.randn(4).to(dev)).cpu()
+    assert _SIN in eager.unlowerable
+    metrics.reset()
+    del sin_fails[:]
+    x = torch.randn(6, dtype=torch.float64)
+    got = torch.sin(x.to(dev) + 1)  # another dtype: not known to fail, so it is compiled (and fails) again
+    torch.testing.assert_close(got.cpu(), torch.sin(x + 1))
+    assert metrics.counter_value("FailedCompile") >= 1
