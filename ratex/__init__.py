@@ -10,6 +10,7 @@ from .lazy_tensor_core.core import lazy_model
 from .lazy_tensor_core.debug import metrics
 from . import jit  # noqa: E402  (ratex.jit.script)
 from . import debug, profiler  # noqa: E402,F401  (ratex.profiler.Profiler, RATEX_PROFILE, ratex.debug.graph_text)
+from .dynamo import compile  # noqa: E402  (torch.compile(backend="ratex"); registers the backend)
 
 __version__ = "0.1.0"
-__all__ = ["LazyTensor", "is_lazy", "jit", "lazy_model", "metrics", "__version__"]
+__all__ = ["LazyTensor", "compile", "is_lazy", "jit", "lazy_model", "metrics", "__version__"]

@@ -32,5 +32,5 @@ def rule(*names, wraps=False, tir=False):
     return register
 
 
-from . import arith, backward, coverage, nn, precise, random, script, views, special, gamma, corners, indexing, library  # noqa: E402,F401  (registration side effects)
+from . import arith, backward, coverage, nn, precise, random, script, views, special, gamma, corners, indexing, compile_extras, library  # noqa: E402,F401  (registration side effects)
 # library must come last: its rules wrap the ones registered before it
