@@ -153,4 +153,4 @@ def _warn_once(what: str, message: str):
 
 def warn_fallback(name: str, why: str):
     """Warn once per op name that `name` runs in eager PyTorch, and why."""
-    _warn_once(f"op:{name}", f"ratex: {why}; running {name} in eager PyTorch instead (correct, but slower)")
+    _warn_once(f"op:{name}", f"ratex: {name} runs in eager PyTorch ({why}): correct, but slower")

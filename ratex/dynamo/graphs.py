@@ -9,6 +9,9 @@ carry fake-tensor metas (`meta["val"]`). Before `tvm_lowering` sees one:
   of parameters and state) and returns them as (input, new value) pairs, so the
   new values become program outputs that are written back, in place where
   donation allows;
+- `unroll_foreach` writes each `_foreach_*` op (a foreach optimizer's arithmetic
+  over all parameters at once) as one op per tensor, which the rules lower and
+  fusion regroups;
 - `draw_seeds` turns training-mode dropout into the lazy path's seeded keep mask,
   the seed being an extra graph input drawn from torch's generator at each call;
 - `graph_key` is the structural key of the result (the compile cache's key).
@@ -37,7 +40,7 @@ def is_symbolic(gm: fx.GraphModule) -> bool:
 
 def specialize(gm: fx.GraphModule, args: list) -> fx.Graph:
     """Return `gm`'s graph retraced for the concrete ints and tensor shapes of `args`."""
-    return make_fx(gm.forward, tracing_mode="fake", _allow_non_fake_inputs=True)(*args).graph
+    return make_fx(lambda *xs: gm.forward(*xs), tracing_mode="fake", _allow_non_fake_inputs=True)(*args).graph
 
 
 def placeholders(graph: fx.Graph) -> list:
@@ -65,6 +68,84 @@ def take_mutations(graph: fx.Graph) -> list:
             pairs.append((position[n.args[0]], n.args[1]))
             graph.erase_node(n)
     return pairs
+
+
+# _foreach_<name>.<overload> -> the overload of <name> that computes one element, by the kind of
+# the foreach overload's arguments (a `default` one maps to <name>.default); absent: the foreach
+# op stays whole (and runs eagerly).
+_ELEMENT = {
+    "List": {"add": "Tensor", "sub": "Tensor", "mul": "Tensor", "div": "Tensor", "maximum": "default",
+             "minimum": "default", "clamp_min": "Tensor", "clamp_max": "Tensor", "pow": "Tensor_Tensor",
+             "lerp": "Tensor", "copy": "default"},
+    "Scalar": {"add": "Tensor", "sub": "Tensor", "mul": "Tensor", "div": "Tensor", "clamp_min": "default",
+               "clamp_max": "default", "pow": "Tensor_Scalar", "addcmul": "default", "addcdiv": "default",
+               "lerp": "Scalar"},
+    "Tensor": {"add": "Tensor", "sub": "Tensor", "mul": "Tensor", "div": "Tensor"},
+    "ScalarAndTensor": {"pow": "Scalar"},
+}
+_ELEMENT["ScalarList"] = dict(_ELEMENT["Scalar"])
+
+
+def unroll_foreach(graph: fx.Graph) -> int:
+    """Replace each functional `_foreach_*` op by one op per element; return how many were unrolled.
+
+    Arguments that are lists (tensors, or scalars of a ScalarList overload) are indexed per
+    element, the rest are passed to every element's op; each new node's meta is the foreach
+    op's meta for that element.
+    """
+    count = 0
+    for n in list(graph.nodes):
+        op = n.target
+        if n.op != "call_function" or not isinstance(op, torch._ops.OpOverload):
+            continue
+        name, _, overload = op.__name__.partition(".")
+        if not name.startswith("_foreach_") or op._schema.is_mutable:
+            continue
+        base = name[len("_foreach_"):]
+        vals = n.meta.get("val")
+        if not isinstance(vals, (list, tuple)):
+            continue
+        if op is aten._foreach_norm.Scalar:  # (tensors, ord, dtype) -> linalg_vector_norm(x, ord, dim, keepdim, dtype=)
+            single, norm = aten.linalg_vector_norm.default, dict(zip(("self", "ord", "dtype"), n.args), **n.kwargs)
+            norm.pop("self")
+            calls = [((x, norm.get("ord", 2)), {"dtype": norm.get("dtype")}) for x in n.args[0]]
+        else:
+            element = "default" if overload == "default" else _ELEMENT.get(overload, {}).get(base)
+            single = getattr(getattr(aten, base, None), element, None) if element else None
+            if single is None:
+                continue
+            calls = [_element_args(single, n, i) for i in range(len(vals))]
+            if None in calls:
+                continue
+        with graph.inserting_before(n):
+            items = [_call(graph, single, args, kwargs, val) for (args, kwargs), val in zip(calls, vals)]
+        for user in list(n.users):
+            if user.target is not operator.getitem:
+                break
+            user.replace_all_uses_with(items[user.args[1]])
+            graph.erase_node(user)
+        if not n.users:
+            graph.erase_node(n)
+            count += 1
+    return count
+
+
+def _element_args(single, node, i):
+    """(args, kwargs) of `single` for element i of foreach `node`: list arguments indexed, the rest
+    as they are; positional arguments past `single`'s positional ones go to its keyword-only ones
+    in order (`_foreach_addcmul.Scalar`'s value is positional, `addcmul`'s keyword-only). None
+    where they do not fit."""
+    pick = lambda a: a[i] if isinstance(a, (list, tuple)) else a  # noqa: E731
+    params = single._schema.arguments
+    positional = [a.name for a in params if not a.kwarg_only]
+    keyword = [a.name for a in params if a.kwarg_only]
+    args = [pick(a) for a in node.args]
+    kwargs = {k: pick(v) for k, v in node.kwargs.items()}
+    extra = args[len(positional):]
+    if len(extra) > len(keyword) or any(k not in positional + keyword for k in kwargs):
+        return None
+    kwargs.update(zip(keyword, extra))
+    return tuple(args[:len(positional)]), kwargs
 
 
 def draw_seeds(graph: fx.Graph) -> int:

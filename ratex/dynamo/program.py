@@ -129,6 +129,7 @@ class CompiledGraph:
 
     def _prepare(self, args):
         graph = graphs.specialize(self.gm, args) if self.symbolic else _copy(self.gm.graph)
+        graphs.unroll_foreach(graph)  # first: the copy_ nodes read the getitems it replaces
         mutations = graphs.take_mutations(graph)
         seeds = graphs.draw_seeds(graph)
         kind, arch, index = graphs.device_kind(graph)
