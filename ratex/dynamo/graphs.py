@@ -153,7 +153,8 @@ def draw_seeds(graph: fx.Graph) -> int:
     input (appended after the placeholders); return how many seed inputs were added.
 
     The mask is the one the lazy device draws for the same seed: `uniform >= p`, and the
-    output is x * mask / (1 - p), as ratex/core/random.py records it.
+    output is x * mask / (1 - p), as ratex/core/random.py records it. With p = 0 (or not
+    training) it keeps everything: the output is a copy of x, the mask all true, as torch's.
     """
     drops = [n for n in graph.nodes if n.op == "call_function" and n.target is aten.native_dropout.default]
     count = 0
@@ -162,23 +163,28 @@ def draw_seeds(graph: fx.Graph) -> int:
         x, p = n.args[0], float(n.args[1])
         train = n.args[2] if len(n.args) > 2 else n.kwargs.get("train")
         xval = x.meta.get("val")
-        if not train or not 0 < p < 1 or not isinstance(xval, torch.Tensor) or not xval.dtype.is_floating_point:
+        if not isinstance(xval, torch.Tensor) or not xval.dtype.is_floating_point or (train and not 0 <= p < 1):
             continue
-        with graph.inserting_after(last) if last is not None else graph.inserting_before(None):
-            seed = graph.placeholder(f"ratex_seed{count}")
-        seed.meta["val"] = torch.empty((), dtype=torch.int64, device="meta")
-        seed.meta["ratex_seed"] = True
-        last = seed
-        count += 1
-        size = list(xval.shape)
+        size, dt = list(xval.shape), xval.dtype
         with graph.inserting_before(n):
-            prob = _call(graph, aten.full.default, ([], p), {"dtype": torch.float32, "device": xval.device},
-                         torch.empty((), dtype=torch.float32, device="meta"))
-            keep = _call(graph, adapter.DROPOUT_KEEP, (seed, size, prob), {},
-                         torch.empty(size, dtype=torch.bool, device="meta"))
-            masked = _call(graph, aten.mul.Tensor, (x, keep), {}, torch.empty(size, dtype=xval.dtype, device="meta"))
-            out = _call(graph, aten.mul.Tensor, (masked, 1.0 / (1.0 - p)), {},
-                        torch.empty(size, dtype=xval.dtype, device="meta"))
+            if not train or p == 0:
+                out = _call(graph, aten.clone.default, (x,), {}, torch.empty(size, dtype=dt, device="meta"))
+                keep = _call(graph, aten.full.default, (size, True), {"dtype": torch.bool, "device": xval.device},
+                             torch.empty(size, dtype=torch.bool, device="meta"))
+            else:
+                with graph.inserting_after(last) if last is not None else graph.inserting_before(None):
+                    seed = graph.placeholder(f"ratex_seed{count}")
+                seed.meta["val"] = torch.empty((), dtype=torch.int64, device="meta")
+                seed.meta["ratex_seed"] = True
+                last = seed
+                count += 1
+                prob = _call(graph, aten.full.default, ([], p), {"dtype": torch.float32, "device": xval.device},
+                             torch.empty((), dtype=torch.float32, device="meta"))
+                keep = _call(graph, adapter.DROPOUT_KEEP, (seed, size, prob), {},
+                             torch.empty(size, dtype=torch.bool, device="meta"))
+                masked = _call(graph, aten.mul.Tensor, (x, keep), {}, torch.empty(size, dtype=dt, device="meta"))
+                out = _call(graph, aten.mul.Tensor, (masked, 1.0 / (1.0 - p)), {},
+                            torch.empty(size, dtype=dt, device="meta"))
         for user in list(n.users):
             if user.target is operator.getitem:
                 user.replace_all_uses_with(out if user.args[1] == 0 else keep)

@@ -180,17 +180,26 @@ def driver(graph: fx.Graph, parts: list, compile_region, mutations: list) -> fx.
     if done != len(items):
         raise RuntimeError("the partition of the graph has a cycle")
     args = list(graph.find_nodes(op="placeholder"))
-    for pos, value in mutations:
-        g.call_function(write_back, (env[args[pos]], env[value] if isinstance(value, fx.Node) else value))
+    if mutations:
+        g.call_function(write_back, (tuple(env[args[pos]] for pos, _ in mutations),
+                                     tuple(env[v] if isinstance(v, fx.Node) else v for _, v in mutations)))
     out = graph.output_node().args[0]
     g.output(fx.node.map_arg(list(out) if isinstance(out, (tuple, list)) else [out], lambda a: env[a]))
     return fx.GraphModule(torch.nn.Module(), g)
 
 
-def write_back(dst: torch.Tensor, src):
-    """Give input `dst` its new value `src`, unless the program already wrote it into dst's buffer."""
-    if isinstance(src, torch.Tensor) and src.data_ptr() == dst.data_ptr() and src.shape == dst.shape \
-            and src.stride() == dst.stride() and src.dtype == dst.dtype:
-        return  # donated: the update was written in place
+def write_back(dsts: tuple, srcs: tuple):
+    """Give each input of `dsts` its new value from `srcs`, except where the program already
+    wrote it into the input's buffer (donated), in one foreach copy."""
+    todo_d, todo_s = [], []
     with torch.no_grad():
-        dst.copy_(src)
+        for dst, src in zip(dsts, srcs):
+            if not isinstance(src, torch.Tensor):
+                dst.fill_(src)  # a constant the graph computed at trace time
+            elif src.data_ptr() != dst.data_ptr() or src.shape != dst.shape or src.dtype != dst.dtype \
+                    or not (dst.is_contiguous() or src.stride() == dst.stride()):
+                todo_d.append(dst)
+                todo_s.append(src)
+            # else donated: the program wrote the update into dst's buffer
+        if todo_d:
+            torch._foreach_copy_(todo_d, todo_s)

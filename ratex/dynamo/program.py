@@ -128,10 +128,7 @@ class CompiledGraph:
                 adapter.tell("Sync", start, _perf())
 
     def _prepare(self, args):
-        graph = graphs.specialize(self.gm, args) if self.symbolic else _copy(self.gm.graph)
-        graphs.unroll_foreach(graph)  # first: the copy_ nodes read the getitems it replaces
-        mutations = graphs.take_mutations(graph)
-        seeds = graphs.draw_seeds(graph)
+        graph, mutations, seeds = prepare(self.gm, args if self.symbolic else None)
         kind, arch, index = graphs.device_kind(graph)
         gm = fx.GraphModule(torch.nn.Module(), graph)
         writes = [n for n in graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
@@ -161,15 +158,7 @@ class CompiledGraph:
         return lambda args: forward(*args, *[new_seed() for _ in range(seeds)])
 
     def _region(self, graph, nodes, inputs, outputs, mutations, kind, arch, index):
-        sub, back = fx.Graph(), {}
-        env = {}
-        for i, a in enumerate(inputs):
-            p = env[a] = sub.placeholder(f"in{i}")
-            p.meta["val"] = a.meta["val"]
-        for n in nodes:
-            env[n] = sub.node_copy(n, lambda a: env[a])
-            back[env[n]] = n
-        sub.output(tuple(env[o] for o in outputs))
+        sub, back = region_graph(nodes, inputs, outputs)
         args = list(graph.find_nodes(op="placeholder"))
         pairs = []  # (region input, region output) of a mutation: written back, donated where allowed
         for pos, value in mutations:
@@ -236,6 +225,31 @@ class CompiledGraph:
         for n in failed or calls:
             partition.refuse(back[n])
             adapter.warn_fallback(back[n].target.__name__, f"compiling failed ({type(err).__name__}: {str(err)[:300]})")
+
+
+def prepare(gm: fx.GraphModule, sizes_of=None) -> tuple:
+    """Return (graph, mutations, seeds): `gm`'s graph ready to partition (for graphs with symbolic
+    shapes: specialized to the sizes of the call arguments `sizes_of`), its input mutations as
+    (input position, new value) pairs, and how many seed inputs it takes after its own."""
+    graph = graphs.specialize(gm, sizes_of) if sizes_of is not None else _copy(gm.graph)
+    graphs.unroll_foreach(graph)  # first: the copy_ nodes read the getitems it replaces
+    mutations = graphs.take_mutations(graph)
+    seeds = graphs.draw_seeds(graph)
+    return graph, mutations, seeds
+
+
+def region_graph(nodes: list, inputs: list, outputs: list) -> tuple:
+    """Return (graph, back): a region as an fx graph of its own, with a placeholder per input
+    and a tuple output, and the map from its nodes back to the original ones."""
+    sub, back, env = fx.Graph(), {}, {}
+    for i, a in enumerate(inputs):
+        p = env[a] = sub.placeholder(f"in{i}")
+        p.meta["val"] = a.meta["val"]
+    for n in nodes:
+        env[n] = sub.node_copy(n, lambda a: env[a])
+        back[env[n]] = n
+    sub.output(tuple(env[o] for o in outputs))
+    return sub, back
 
 
 def _copy(graph: fx.Graph) -> fx.Graph:
