@@ -51,6 +51,7 @@ def backend(gm: torch.fx.GraphModule, example_inputs: list, **options):
     if options:
         raise ValueError(f"torch.compile(backend='ratex') takes no options; got {sorted(options)}")
     from torch._dynamo.backends.common import aot_autograd  # noqa: PLC0415
+    from torch._functorch.partitioners import min_cut_rematerialization_partition  # noqa: PLC0415
     from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: PLC0415
 
     with sdpa_kernel([SDPBackend.MATH]):  # AOTAutograd traces forward and backward inside this call
@@ -59,5 +60,6 @@ def backend(gm: torch.fx.GraphModule, example_inputs: list, **options):
             bw_compiler=_compiler("backward"),
             inference_compiler=_compiler("inference"),
             decompositions=decompositions(),
+            partition_fn=min_cut_rematerialization_partition,
             keep_inference_input_mutations=True,
         )(gm, example_inputs)

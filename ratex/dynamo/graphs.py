@@ -246,7 +246,7 @@ def graph_key(graph: fx.Graph) -> tuple:
             return tuple((k, freeze(v)) for k, v in sorted(a.items()))
         if isinstance(a, torch.device):
             return torch.device(a.type)  # the index is the caller's business, not the program's
-        return a
+        return atom(a)
 
     for n in graph.nodes:
         if n.op == "placeholder":
@@ -254,13 +254,27 @@ def graph_key(graph: fx.Graph) -> tuple:
             metas.append(_meta(n.meta.get("val")))
         elif n.op == "call_function":
             index[n] = len(index)
-            entries.append((n.target, freeze(n.args), freeze(n.kwargs)))
+            entries.append((n.target, freeze(n.args), freeze(n.kwargs), _meta(n.meta.get("val"))))
         elif n.op == "output":
             entries.append(("output", freeze(n.args[0])))
     return tuple(metas), tuple(entries)
 
 
+def atom(a):
+    """A key's stand-in for a constant argument: floats and bools tagged, since 1 == 1.0 == True
+    and -0.0 == 0.0 in Python (each pair hashes alike) but not in a program; a float by its repr,
+    which also makes NaN equal to itself."""
+    t = type(a)
+    if t is float:
+        return ("float", repr(a))
+    if t is bool:
+        return ("bool", a)
+    return a
+
+
 def _meta(val):
     if isinstance(val, torch.Tensor):
         return (tuple(int(s) for s in val.shape), val.dtype)
+    if isinstance(val, (tuple, list)):
+        return tuple(_meta(v) for v in val)
     return type(val).__name__

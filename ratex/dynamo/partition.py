@@ -16,7 +16,7 @@ from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupportBase
 
 import tvm_lowering
-from . import adapter
+from . import adapter, graphs
 
 _refused = set()  # node keys whose rule failed while lowering or compiling: eager from then on
 
@@ -31,7 +31,7 @@ def node_key(node: fx.Node) -> tuple:
             return tuple(freeze(x) for x in a)
         if isinstance(a, dict):
             return tuple((k, freeze(v)) for k, v in sorted(a.items()))
-        return a
+        return graphs.atom(a)
 
     return node.target, freeze(node.args), freeze(node.kwargs), _meta(node.meta.get("val"))
 
