@@ -181,21 +181,20 @@ def test_optimizers_update_in_graph_like_eager(name):
 
 def test_unrolled_foreach_ops_compute_what_the_foreach_ops_do():
     """The per-tensor rewrite of a foreach Adam step, run eagerly, equals the foreach graph."""
+    from ratex.dynamo import aot
+
     captured = []
 
-    def keep(gm, example_inputs):
+    def keep(gm, role):
         captured.append(gm)
-        return gm
+        return torch._functorch.aot_autograd.make_boxed_func(gm)
 
-    from torch._dynamo.backends.common import aot_autograd
-
-    backend = aot_autograd(fw_compiler=keep, keep_inference_input_mutations=True)
     params = [torch.randn(3, 4, requires_grad=True), torch.randn(5, requires_grad=True)]
     opt = torch.optim.Adam(params, lr=0.1, foreach=True, weight_decay=0.1)
     for p in params:
         p.grad = torch.randn_like(p)
     opt.step()  # state exists: the captured step is the steady one
-    torch.compile(opt.step, backend=backend)()
+    torch.compile(opt.step, backend=lambda gm, example_inputs: aot.capture(gm, example_inputs, keep))()
     gm = captured[-1]
     assert any("_foreach_" in str(n.target) for n in gm.graph.nodes)
     graph = program._copy(gm.graph)
@@ -314,13 +313,13 @@ def test_training_graphs_build_for_cuda(tmp_path):
     import shutil
 
     import tvm_lowering
-    from torch._dynamo.backends.common import aot_autograd
+    from ratex.dynamo import aot
 
     graphs_seen = []
 
-    def keep(gm, example_inputs):
+    def keep(gm, role):
         graphs_seen.append(gm)
-        return gm
+        return torch._functorch.aot_autograd.make_boxed_func(gm)
 
     spec = MODELS["lenet-b64"]
     model = spec.build()
@@ -333,9 +332,7 @@ def test_training_graphs_build_for_cuda(tmp_path):
         opt.step()
         return loss
 
-    backend = aot_autograd(fw_compiler=keep, decompositions=ratex.dynamo.aot.decompositions(),
-                           keep_inference_input_mutations=True)
-    fn = torch.compile(step, backend=backend)
+    fn = torch.compile(step, backend=lambda gm, example_inputs: aot.capture(gm, example_inputs, keep))
     for x, y in spec.batches(1)[:2]:
         fn(x[:2], y[:2])
     assert len(graphs_seen) == 4  # forward, backward, the optimizer's first and later steps

@@ -38,28 +38,39 @@ def decompositions() -> dict:
 _UNFIT = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}  # see the module doc
 
 
-def _compiler(role: str):
-    def compile_graph(gm, example_inputs):
-        return CompiledGraph(gm, role)
+def _compiler(role: str, compile_graph):
+    def compiler(gm, example_inputs):
+        return compile_graph(gm, role)
 
-    compile_graph.__name__ = f"ratex_{role}_compiler"
-    return compile_graph
+    compiler.__name__ = f"ratex_{role}_compiler"
+    return compiler
 
 
-def backend(gm: torch.fx.GraphModule, example_inputs: list, **options):
-    """Return the compiled callable of a dynamo graph (the `torch.compile(backend="ratex")` entry point)."""
-    if options:
-        raise ValueError(f"torch.compile(backend='ratex') takes no options; got {sorted(options)}")
+def capture(gm: torch.fx.GraphModule, example_inputs: list, compile_graph=CompiledGraph):
+    """Split a dynamo graph with AOTAutograd as ratex does; return the callable dynamo runs.
+
+    Each graph AOTAutograd produces goes to `compile_graph(graph_module, role)`, role being
+    'forward', 'backward' or 'inference'; it returns what AOTAutograd calls for that graph.
+    """
     from torch._dynamo.backends.common import aot_autograd  # noqa: PLC0415
     from torch._functorch.partitioners import min_cut_rematerialization_partition  # noqa: PLC0415
     from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: PLC0415
 
     with sdpa_kernel([SDPBackend.MATH]):  # AOTAutograd traces forward and backward inside this call
         return aot_autograd(
-            fw_compiler=_compiler("forward"),
-            bw_compiler=_compiler("backward"),
-            inference_compiler=_compiler("inference"),
+            fw_compiler=_compiler("forward", compile_graph),
+            bw_compiler=_compiler("backward", compile_graph),
+            inference_compiler=_compiler("inference", compile_graph),
             decompositions=decompositions(),
+            # The backward recomputes what is cheap to recompute (views, pointwise ops) instead of
+            # the forward returning it: a saved weight transpose was a copy in the forward program.
             partition_fn=min_cut_rematerialization_partition,
             keep_inference_input_mutations=True,
         )(gm, example_inputs)
+
+
+def backend(gm: torch.fx.GraphModule, example_inputs: list, **options):
+    """Return the compiled callable of a dynamo graph (the `torch.compile(backend="ratex")` entry point)."""
+    if options:
+        raise ValueError(f"torch.compile(backend='ratex') takes no options; got {sorted(options)}")
+    return capture(gm, example_inputs)
