@@ -35,7 +35,8 @@ how many programs were compiled (ratex_compile: one per graph that dynamo and
 AOTAutograd hand over). Models with dropout (mnist-b64) draw different
 random masks than eager does, so that check is marked 'n/a (dropout)' (dropout
 is not disabled: the benchmark measures the model as it trains); ratex_script
-draws ratex_lazy's masks, so its loss is checked against ratex_lazy's. A
+and ratex_compile draw ratex_lazy's masks (the same seeds from torch's generator,
+in the same order), so their loss is checked against ratex_lazy's. A
 ratex_script cell whose model jit.script could not script (it then runs on the
 plain lazy device) is footnoted with ratex's warning.
 
@@ -472,8 +473,9 @@ def report(models, systems, cells, args):
                 loss = f"{r['final_loss']:.4f}"
                 compiles = str(r.get("compiles", ""))
                 lazy = cells.get((m, "ratex_lazy"))
-                if SPECS[m].dropout and s == "ratex_script" and lazy is not None and "error" not in lazy:
-                    # Same seeds, same masks: the scripted model must train exactly as the lazy one.
+                if SPECS[m].dropout and s in ("ratex_script", "ratex_compile") and lazy is not None \
+                        and "error" not in lazy:
+                    # Same seeds, same masks: the scripted and the compiled model must train as the lazy one.
                     same = round(r["final_loss"], 4) == round(lazy["final_loss"], 4)
                     check = "yes (= ratex_lazy)" if same else f"NO (ratex_lazy {lazy['final_loss']:.4f})"
                 elif SPECS[m].dropout:

@@ -139,8 +139,9 @@ class CompiledGraph:
                 parts = []
             else:
                 parts = partition.regions(gm)
+            lowered = {n for part in parts for n in part}
             for n in graph.nodes:
-                if n.op == "call_function" and not any(n in p for p in parts) and n.target.__class__ is torch._ops.OpOverload:
+                if n.op == "call_function" and n not in lowered and isinstance(n.target, torch._ops.OpOverload):
                     adapter.warn_fallback(n.target.__name__, partition.why_not(n) or "it is not lowerable here")
 
             def compile_region(nodes, inputs, outputs):
@@ -160,11 +161,13 @@ class CompiledGraph:
     def _region(self, graph, nodes, inputs, outputs, mutations, kind, arch, index):
         sub, back = region_graph(nodes, inputs, outputs)
         args = list(graph.find_nodes(op="placeholder"))
-        pairs = []  # (region input, region output) of a mutation: written back, donated where allowed
+        inside = set(nodes)
+        at_in, at_out = {a: i for i, a in enumerate(inputs)}, {o: j for j, o in enumerate(outputs)}
+        pairs = []  # (region input, region output, read only here) of a mutation: written back, donated where allowed
         for pos, value in mutations:
             dst = args[pos]
-            if dst in inputs and value in outputs:
-                pairs.append((inputs.index(dst), outputs.index(value), all(u in nodes for u in dst.users)))
+            if dst in at_in and value in at_out:
+                pairs.append((at_in[dst], at_out[value], all(u in inside for u in dst.users)))
         # Donation writes into the input's buffer while the program runs: only where nothing
         # outside the region reads the input.
         donate = tuple(sorted((i, j) for i, j, alone in pairs if alone)) if adapter.param_aliasing() else ()
