@@ -194,12 +194,13 @@ def write_back(dsts: tuple, srcs: tuple):
     todo_d, todo_s = [], []
     with torch.no_grad():
         for dst, src in zip(dsts, srcs):
-            if not isinstance(src, torch.Tensor):
+            if type(src) is not torch.Tensor:
                 dst.fill_(src)  # a constant the graph computed at trace time
-            elif src.data_ptr() != dst.data_ptr() or src.shape != dst.shape or src.dtype != dst.dtype \
-                    or not (dst.is_contiguous() or src.stride() == dst.stride()):
+            elif src.data_ptr() != dst.data_ptr() or src.shape != dst.shape:
                 todo_d.append(dst)
                 todo_s.append(src)
-            # else donated: the program wrote the update into dst's buffer
+            # else the program wrote the update into dst's own buffer (donated), or returned dst
+            # itself: a program's output that starts where an input does, with its shape, is that
+            # input (a non-contiguous input was given to the program as a copy at another address)
         if todo_d:
             torch._foreach_copy_(todo_d, todo_s)
