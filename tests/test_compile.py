@@ -259,6 +259,38 @@ def test_zero_grad_in_place_does_not_reach_the_momentum_buffer():
         torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
 
 
+def test_learning_rate_tensor_changes_without_recompiling():
+    """A float lr is a constant in dynamo's graph (and guarded); a tensor lr is an input."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    batches = [(torch.randn(6, 8), torch.randint(0, 4, (6,))) for _ in range(5)]
+    results = []
+    for compiled in (False, True):
+        m = copy.deepcopy(model)
+        opt = torch.optim.SGD(m.parameters(), lr=torch.tensor(0.1), momentum=0.9)
+        sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+
+        def step(x, y):
+            opt.zero_grad()
+            loss = F.cross_entropy(m(x), y)
+            loss.backward()
+            opt.step()
+            return loss
+
+        fn = torch.compile(step, backend="ratex") if compiled else step
+        losses, compiles = [], []
+        for x, y in batches:
+            losses.append(fn(x, y).item())
+            sched.step()
+            compiles.append(_compiles())
+        results.append((losses, m, compiles))
+    (want, ref, _), (got, trained, compiles) = results
+    torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+    for a, b in zip(trained.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
+    assert compiles[1:] == [compiles[1]] * 4  # the optimizer's second capture (momentum), then none
+
+
 def test_batchnorm_running_statistics_are_updated():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 4))
