@@ -33,9 +33,12 @@ class Region:
     where torch's ops would not have are copied (see `_find_shared`).
     """
 
-    def __init__(self, fn, empty: tuple, constant: tuple, may_share, name: str):
+    def __init__(self, fn, empty: tuple, constant: tuple, may_share, name: str, host=((), (), None)):
         self.fn = fn
         self.empty = empty  # input positions without elements (TVM may not take their DLPack strides as compact)
+        # (inputs to move to the device, outputs to move back, the device): CPU scalars in a CUDA
+        # graph (Adam's step count, the dropout seeds), which a CUDA program cannot read in place
+        self.to_device, self.to_host, self.device = host
         self.constant = constant  # outputs computed from no input: the program returns the same buffer every call
         self.may_share = may_share  # may_share(a, j): whether output j may share a buffer with a (input i or ("out", k))
         self.copy = None  # output positions to copy at every call (known after the first)
@@ -44,6 +47,8 @@ class Region:
 
     def __call__(self, *xs):
         xs = [x if x.is_contiguous() else x.contiguous() for x in xs]
+        if self.to_device:
+            xs = [x.to(self.device) if k in self.to_device else x for k, x in enumerate(xs)]
         if self.empty:
             xs = [_empty(x) if k in self.empty else x for k, x in enumerate(xs)]
         start = _perf()
@@ -60,6 +65,8 @@ class Region:
             self.copy = self._find_shared(xs, outs)
         for j in self.copy:
             outs[j] = outs[j].clone()
+        for j in self.to_host:
+            outs[j] = outs[j].cpu()
         return outs
 
     def _find_shared(self, xs: list, outs: list) -> tuple:
@@ -177,8 +184,13 @@ class CompiledGraph:
         lib = self._program(sub, key, kind, arch, donate, back, len(nodes))
         dev = _device(kind, index)
         fn = relax.VirtualMachine(lib, dev)["main"]
+        host = ((), (), None)
+        if kind == "GPU":
+            on_host = lambda n: n.meta.get("ratex_seed") or n.meta["val"].device.type == "cpu"  # noqa: E731
+            host = (tuple(k for k, a in enumerate(inputs) if on_host(a)),
+                    tuple(j for j, o in enumerate(outputs) if _device_of(o) == "cpu"), torch.device("cuda", index))
         return Region(fn, _empty_inputs(inputs), _constant_outputs(sub), _sharing(inputs, outputs, pairs),
-                      f"ratex_{self.role}")
+                      f"ratex_{self.role}", host)
 
     def _program(self, sub, key, kind, arch, donate, back, ops):
         cache = adapter.memory_cache()
@@ -268,6 +280,11 @@ def _device(kind: str, index: int):
     import tvm  # noqa: PLC0415
 
     return tvm.cpu() if kind == "CPU" else tvm.cuda(index)
+
+
+def _device_of(node) -> str:
+    val = node.meta.get("val")
+    return val.device.type if isinstance(val, torch.Tensor) else ""
 
 
 def _empty_inputs(inputs) -> tuple:
