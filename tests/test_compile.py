@@ -210,6 +210,33 @@ def test_unrolled_foreach_ops_compute_what_the_foreach_ops_do():
         assert torch.equal(a, b)
 
 
+def _addcmul_inplace(a, b, c):
+    x = a.clone()
+    x.addcmul_(b, c, value=0.3)  # dynamo writes it as prims.fma
+    return x
+
+
+EXTRA_RULES = {
+    "lerp-low": lambda a, b, c: torch.lerp(a, b, 0.3),
+    "lerp-high": lambda a, b, c: torch.lerp(a, b, 0.7),
+    "lerp-tensor": lambda a, b, c: torch.lerp(a, b, c),
+    # dynamo writes torch.addcdiv out as div, mul and add; the foreach Adam step keeps the op
+    "addcdiv": lambda a, b, c: torch.ops.aten.addcdiv.default(a, b, c.abs() + 0.5, value=0.5),
+    "fma": _addcmul_inplace,
+}
+
+
+@pytest.mark.parametrize("name", list(EXTRA_RULES))
+def test_rules_for_ops_only_compiled_graphs_have(name):
+    """tvm_lowering/ops/compile_extras.py: what dynamo and the foreach unrolling produce."""
+    torch.manual_seed(0)
+    a, b = torch.randn(5, 7), torch.randn(5, 7)
+    c = torch.rand(7) * 1.2 - 0.1  # lerp weights on both sides of 0.5, broadcast over rows
+    fn = EXTRA_RULES[name]
+    torch.testing.assert_close(torch.compile(fn, backend="ratex")(a, b, c), fn(a, b, c), rtol=1e-6, atol=1e-6)
+    assert _compiles() == 1 and _fallbacks() == {}
+
+
 @pytest.mark.parametrize("make_opt", [OPTIMIZERS["sgd-momentum-foreach"], OPTIMIZERS["adamw"]],
                          ids=["sgd-momentum", "adamw"])
 def test_param_aliasing_writes_parameters_and_state_in_place(monkeypatch, make_opt):
