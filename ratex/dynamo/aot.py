@@ -63,7 +63,7 @@ def capture(gm: torch.fx.GraphModule, example_inputs: list, compile_graph=Compil
             inference_compiler=_compiler("inference", compile_graph),
             decompositions=decompositions(),
             # The backward recomputes what is cheap to recompute (views, pointwise ops) instead of
-            # the forward returning it: a saved weight transpose was a copy in the forward program.
+            # the forward returning it (a saved weight transpose would be a copy in the forward program).
             partition_fn=min_cut_rematerialization_partition,
             keep_inference_input_mutations=True,
         )(gm, example_inputs)

@@ -4,14 +4,14 @@ AOTAutograd hands over functional fx graphs of ATen OpOverloads whose nodes
 carry fake-tensor metas (`meta["val"]`). Before `tvm_lowering` sees one:
 
 - `specialize` fixes symbolic shapes (`dynamic=True`) to the sizes of one call;
+- `unroll_foreach` writes each `_foreach_*` op (a foreach optimizer's arithmetic
+  over all parameters at once) as one op per tensor, which the rules lower and
+  fusion regroups;
 - `take_mutations` removes the `copy_` nodes into graph inputs that AOTAutograd
   keeps in the graph (`keep_inference_input_mutations`: the optimizer's updates
   of parameters and state) and returns them as (input, new value) pairs, so the
   new values become program outputs that are written back, in place where
   donation allows;
-- `unroll_foreach` writes each `_foreach_*` op (a foreach optimizer's arithmetic
-  over all parameters at once) as one op per tensor, which the rules lower and
-  fusion regroups;
 - `draw_seeds` turns training-mode dropout into the lazy path's seeded keep mask,
   the seed being an extra graph input drawn from torch's generator at each call;
 - `graph_key` is the structural key of the result (the compile cache's key).
