@@ -7,7 +7,6 @@ the RNG seed scheme and the settings. When those move behind new interfaces,
 this module is what follows them.
 """
 import functools
-import hashlib
 import time
 import warnings
 
@@ -21,7 +20,6 @@ from ..core import executor, kernels, launch, metrics, progress, random, sync
 
 counts = metrics.counts  # `counts[name] += 1` on per-call paths
 record = metrics.record
-timed = metrics.timed
 counter_inc = metrics.counter_inc
 new_seed = random.new_seed
 DROPOUT_KEEP = torch.ops.ratex.dropout_keep.default  # defined by ratex.core.random
@@ -133,11 +131,6 @@ def save_ir(text: str):
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
         with open(config.SAVE_IR, "a", encoding="utf-8") as f:
             f.write(f"==== torch.compile graph  compiled {stamp}\n{text}\n")
-
-
-def key_hash(text: str) -> str:
-    """Return a short stable hash of `text` (for labels)."""
-    return hashlib.sha256(text.encode()).hexdigest()[:8]
 
 
 _warned = set()
