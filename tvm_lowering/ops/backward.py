@@ -91,6 +91,16 @@ def leaky_relu_backward(imp, node):
     return emit(imp, op.where(op.greater(x, scalar(0.0, dt)), g, op.multiply(g, scalar(slope, dt))))
 
 
+@rule("softshrink_backward.default", "hardshrink_backward.default")
+def shrink_backward(imp, node):
+    """g where |x| > lambd, else 0 (both shrinks pass the gradient where they pass x; NaN passes)."""
+    g, x = env(imp, node.args[0]), env(imp, node.args[1])
+    lambd = arg(node, 2, "lambd")
+    dt = dtype(x)
+    dead = op.logical_and(op.greater_equal(x, scalar(-lambd, dt)), op.less_equal(x, scalar(lambd, dt)))
+    return emit(imp, op.where(dead, op.zeros_like(g), g))
+
+
 @rule("native_dropout_backward.default")
 def native_dropout_backward(imp, node):
     g, mask = env(imp, node.args[0]), env(imp, node.args[1])

@@ -252,6 +252,13 @@ def selu(imp, node):
     return _elu(imp, env(imp, node.args[0]), 1.6732632423543772, 1.0507009873554805, 1.0)
 
 
+@rule("celu.default")
+def celu(imp, node):
+    """celu(x, alpha) is elu(x, alpha, 1, 1 / alpha) (TVM's rule divides exp(x), not x, by alpha)."""
+    alpha = float(arg(node, 1, "alpha", 1.0))  # never 0: PyTorch's shape inference rejects it
+    return _elu(imp, env(imp, node.args[0]), alpha, 1.0, 1.0 / alpha)
+
+
 def _elu(imp, x, alpha, scale, input_scale):
     """scale * x for x > 0, alpha * scale * expm1(input_scale * x) below. In a jit.script forward
     it is made of Relax ops, which Relax's Gradient can differentiate, with exp(x) - 1 for expm1."""
