@@ -203,3 +203,16 @@ def test_rrelu_training_draws_slopes_in_its_range():
     assert torch.equal(y[~neg], x[~neg]) and torch.equal(grad[~neg], torch.ones_like(x[~neg]))
     assert slopes.min() >= 0.1 and slopes.max() <= 0.4 and slopes.std() > 0.07  # uniform: std 0.087
     torch.testing.assert_close(grad[neg], slopes)
+
+
+@pytest.mark.parametrize("value", [-INF, INF, NAN, -6e4, 2.5])
+def test_masked_fill_with_any_float_fill(value):
+    mask = torch.rand(3, 1, 5) > 0.5
+    check(lambda x, m: (x.masked_fill(m, value), x.half().masked_fill(m, value)), torch.randn(3, 4, 5), mask,
+          ops=["masked_fill.Scalar"])
+
+
+def test_masked_fill_of_integers_and_bools():
+    mask = torch.rand(3, 5) > 0.5
+    check(lambda x, m: (x.masked_fill(m, 7), (x > 4).masked_fill(m, True)), torch.arange(15).view(3, 5), mask,
+          ops=["masked_fill.Scalar"])

@@ -123,6 +123,16 @@ def where(imp, node):
     return emit(imp, relax.op.where(cast(imp, cond, "bool"), *branches))
 
 
+@rule("masked_fill.Scalar")
+def masked_fill(imp, node):
+    """where(mask, value, x) with the value a constant of x's dtype (TVM's rule legalizes a
+    +-inf or NaN fill through a `full` whose dtype TVM's own kernel then can't read)."""
+    _, dt = out_meta(node)
+    x, mask = env(imp, node.args[0]), env(imp, node.args[1])
+    value = relax.const(arg(node, 2, "value"), dt)
+    return emit(imp, relax.op.where(cast(imp, mask, "bool"), value, cast(imp, x, dt)))
+
+
 # ---- clamps -----------------------------------------------------------------------------------
 @rule("clamp.default")
 def clamp(imp, node):
