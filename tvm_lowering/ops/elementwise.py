@@ -185,15 +185,27 @@ def _round_to_bf16_te(x):
     return te.compute(x.shape, at, name="round_to_bfloat16")
 
 
+def to_dtype(imp, x, dt):
+    """`x` cast to `dt`; to bfloat16 rounded to nearest even, as PyTorch rounds."""
+    if dt != "bfloat16" or dtype(x) == "bfloat16":
+        return cast(imp, x, dt)
+    return emit(imp, relax.op.astype(emit_te(imp, _round_to_bf16_te, cast(imp, x, "float32")), "bfloat16"))
+
+
 @rule("_to_copy.default")
 def to_copy(imp, node):
     out = imp.tvm_rules["_to_copy.default"](node)
     x = imp.env[node.args[0]]
     if str(out.ty.dtype) != "bfloat16" or str(x.ty.dtype) == "bfloat16":
         return out
-    bb = imp.block_builder
-    x32 = x if str(x.ty.dtype) == "float32" else bb.emit(relax.op.astype(x, "float32"))
-    return bb.emit(relax.op.astype(bb.emit_te(_round_to_bf16_te, x32), "bfloat16"))
+    return to_dtype(imp, x, "bfloat16")
+
+
+@rule("to.device", "to.dtype", "to.dtype_layout", "to.other")
+def to(imp, node):
+    """The forms a TorchScript trace records: a cast to the dtype PyTorch says (the device is
+    the program's own). TVM's rule keeps x's dtype when a device comes first."""
+    return to_dtype(imp, env(imp, node.args[0]), out_meta(node)[1])
 
 
 # ---- functions accurate near zero -------------------------------------------------------------

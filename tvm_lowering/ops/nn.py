@@ -4,9 +4,10 @@ Their backward ops are in backward.py, pooling in pooling.py.
 """
 import math
 
+import numpy as np
 from tvm import relax
 
-from .kit import arg, dtype, emit, env, flatten, nll_pick, out_meta, scalar, shape, zeros
+from .kit import arg, cast, dtype, emit, env, flatten, nll_pick, out_meta, scalar, shape, zeros
 from .registry import rule
 
 
@@ -255,6 +256,50 @@ def addbmm(imp, node):
         return out
     scaled = inp if beta == 1 else emit(imp, relax.op.multiply(inp, relax.const(beta, dt)))
     return emit(imp, relax.op.add(out, relax.op.broadcast_to(scaled, shp)))
+
+
+# ---- attention --------------------------------------------------------------------------------
+@rule("scaled_dot_product_attention.default")
+def scaled_dot_product_attention(imp, node):
+    """The composite op a scripted model records (the lazy device sees its parts).
+
+    Without a mask, 4-D and unbroadcast: relax.nn.attention, which simplify.expand_attention and
+    autodiff's gradient take apart. Otherwise softmax(q k^T * scale + mask) v in Relax ops, a
+    boolean mask as -inf where False. A row with no key left gives 0, as PyTorch's does (a
+    softmax over -inf alone is NaN). TVM's rule takes no boolean mask and ignores `scale`.
+    """
+    q, k, v = (env(imp, a) for a in node.args[:3])
+    mask = env(imp, arg(node, 3, "attn_mask"))
+    if arg(node, 4, "dropout_p", 0.0) or node.kwargs.get("enable_gqa", False):
+        raise NotImplementedError("scaled_dot_product_attention with dropout or grouped-query heads")
+    causal = arg(node, 5, "is_causal", False)
+    dt = dtype(q)
+    scale = node.kwargs.get("scale")
+    scale = 1.0 / math.sqrt(shape(q)[-1]) if scale is None else float(scale)
+    op = relax.op
+    if mask is None and len(shape(q)) == 4 and shape(q)[:2] == shape(k)[:2] == shape(v)[:2]:
+        bshd = [0, 2, 1, 3]
+        out = emit(imp, op.nn.attention(*(op.permute_dims(t, bshd) for t in (q, k, v)), scale=scale,
+                                         causal_mask="TopLeft" if causal else None))
+        return emit(imp, op.permute_dims(out, bshd))
+    nd = len(shape(k))
+    kt = op.permute_dims(k, list(range(nd - 2)) + [nd - 1, nd - 2])
+    scores = emit(imp, op.multiply(op.matmul(q, kt), scalar(scale, dt)))
+    ninf = scalar(-math.inf, dt)
+    if causal:
+        sq, sk = shape(q)[-2], shape(k)[-2]
+        keep = relax.const(np.tril(np.ones((sq, sk), dtype=bool)))
+        scores = emit(imp, op.where(keep, scores, ninf))
+    if mask is not None and dtype(mask) == "bool":
+        scores = emit(imp, op.where(mask, scores, ninf))
+    elif mask is not None:
+        scores = emit(imp, op.add(scores, cast(imp, mask, dt)))
+    # Rows with no key left (TVM's max starts from the lowest finite float, not -inf: count keys instead).
+    alive = op.astype(op.not_equal(scores, ninf), dt)
+    empty = emit(imp, op.equal(op.max(alive, axis=-1, keepdims=True), scalar(0.0, dt)))
+    probs = op.nn.softmax(op.where(empty, scalar(0.0, dt), scores), axis=-1)
+    probs = emit(imp, op.where(empty, scalar(0.0, dt), probs))
+    return emit(imp, op.matmul(probs, v))
 
 
 # ---- pixel shuffle ----------------------------------------------------------------------------
