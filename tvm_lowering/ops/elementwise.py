@@ -24,7 +24,8 @@ import torch
 from tvm import relax, te, tirx
 
 from ..dtypes import to_tvm
-from .kit import arg, cast, dtype, emit, emit_te, env, filled, float_compute, horner, is_float, out_meta, pointwise
+from .kit import (arg, cast, dtype, emit, emit_te, env, filled, float_compute, horner, is_float, out_meta, pointwise,
+                  round_bf16, shape, to_dtype)
 from .registry import rule
 
 
@@ -169,29 +170,7 @@ def clamp_tensor(imp, node):
     return out
 
 
-# ---- casts to bfloat16 ------------------------------------------------------------------------
-# TVM computes bfloat16 in float32 and, inside a fused kernel, folds
-# float32 -> bfloat16 -> float32 casts away, so `x.bfloat16().float()` would not round.
-# The cast rounds explicitly (to nearest even, as PyTorch does) while still float32;
-# the bfloat16 cast that follows is then exact, folded or not.
-def _round_to_bf16_te(x):
-    def at(*i):
-        v = x(*i)
-        bits = tirx.reinterpret("uint32", v)
-        odd = (bits >> tirx.const(16, "uint32")) & tirx.const(1, "uint32")
-        up = (bits + tirx.const(0x7FFF, "uint32") + odd) & tirx.const(0xFFFF0000, "uint32")
-        return tirx.Select(tirx.isnan(v), v, tirx.reinterpret("float32", up))
-
-    return te.compute(x.shape, at, name="round_to_bfloat16")
-
-
-def to_dtype(imp, x, dt):
-    """`x` cast to `dt`; to bfloat16 rounded to nearest even, as PyTorch rounds."""
-    if dt != "bfloat16" or dtype(x) == "bfloat16":
-        return cast(imp, x, dt)
-    return emit(imp, relax.op.astype(emit_te(imp, _round_to_bf16_te, cast(imp, x, "float32")), "bfloat16"))
-
-
+# ---- casts ------------------------------------------------------------------------------------
 @rule("_to_copy.default")
 def to_copy(imp, node):
     out = imp.tvm_rules["_to_copy.default"](node)
@@ -206,6 +185,43 @@ def to(imp, node):
     """The forms a TorchScript trace records: a cast to the dtype PyTorch says (the device is
     the program's own). TVM's rule keeps x's dtype when a device comes first."""
     return to_dtype(imp, env(imp, node.args[0]), out_meta(node)[1])
+
+
+# ---- powers in half precision -----------------------------------------------------------------
+# TVM's power takes float32/float64 only. PyTorch's CPU kernels compute a float16 or bfloat16
+# power in float32 with the exponent first converted to the tensor's dtype, and round once;
+# bfloat16's x^3 and x^-2 are products of bfloat16 values, rounded after each operation.
+_HALF = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@rule("pow.Tensor_Scalar", "pow.Tensor_Tensor")
+def power(imp, node):
+    shp, dt = out_meta(node)
+    if dt not in _HALF:
+        return imp.tvm_rules[node.target.__name__](node)
+    x = cast(imp, to_dtype(imp, env(imp, node.args[0]), dt), "float32")
+    e = node.args[1]
+    if isinstance(e, torch.fx.Node):
+        e = cast(imp, to_dtype(imp, env(imp, e), dt), "float32")
+        args = [t if shape(t) == shp else emit(imp, relax.op.broadcast_to(t, shp)) for t in (x, e)]
+        return _half_kernel(imp, dt, shp, lambda v, p: tirx.pow(v, p), *args)
+    e = torch.tensor(float(e), dtype=_HALF[dt]).item()
+    r = round_bf16 if dt == "bfloat16" else (lambda v: v)
+    one = tirx.const(1.0, "float32")
+    special = {3.0: lambda v: r(v * v) * v, -2.0: lambda v: one / r(v * v), 2.0: lambda v: v * v,
+               0.5: tirx.sqrt, -1.0: lambda v: one / v}
+    fn = special.get(e)  # float16's single rounding gives the same: these products of float16 are exact in float32
+    x = x if shape(x) == shp else emit(imp, relax.op.broadcast_to(x, shp))
+    return _half_kernel(imp, dt, shp, fn or (lambda v: tirx.pow(v, tirx.const(e, "float32"))), x)
+
+
+def _half_kernel(imp, dt, shp, fn, *args):
+    """fn of float32 elements, rounded to `dt` (bfloat16: explicitly, see kit.round_bf16)."""
+    def at(*values):
+        value = fn(*values)
+        return (round_bf16(value) if dt == "bfloat16" else value).astype(dt)
+
+    return emit_te(imp, lambda *ts: te.compute(shp, lambda *i: at(*(t(*i) for t in ts)), name="pow"), *args)
 
 
 # ---- functions accurate near zero -------------------------------------------------------------

@@ -7,7 +7,7 @@ import math
 import numpy as np
 from tvm import relax
 
-from .kit import arg, cast, dtype, emit, env, flatten, nll_pick, out_meta, scalar, shape, zeros
+from .kit import arg, cast, dtype, emit, env, flatten, nll_pick, out_meta, scalar, shape, to_dtype, zeros
 from .registry import rule
 
 
@@ -83,24 +83,35 @@ def mse_loss(imp, node):
 # ---- normalization ----------------------------------------------------------------------------
 @rule("native_layer_norm.default")
 def native_layer_norm(imp, node):
-    """(out, mean, rstd): mean/rstd keep the normalized dims as size 1, as PyTorch does."""
+    """(out, mean, rstd): mean/rstd keep the normalized dims as size 1, as PyTorch does.
+
+    A float16/bfloat16 input is normalized in float32 and the output rounded once, as
+    PyTorch's CPU kernel does; its mean and rstd are float32 to PyTorch's shape inference but
+    rounded to the input's dtype by its kernel (what autograd saves for the backward): so here.
+    """
     x = env(imp, node.args[0])
     nshape = list(node.args[1])
     w = env(imp, arg(node, 2, "weight"))
     b = env(imp, arg(node, 3, "bias"))
     eps = arg(node, 4, "eps", 1e-5)
     dt = dtype(x)
+    acc = "float32" if dt in ("float16", "bfloat16") else dt
+    x, w, b = (None if t is None else cast(imp, t, acc) for t in (x, w, b))
     axes = list(range(-len(nshape), 0))
     mean = emit(imp, relax.op.mean(x, axis=axes, keepdims=True))
     xc = emit(imp, relax.op.subtract(x, mean))
     var = emit(imp, relax.op.mean(relax.op.multiply(xc, xc), axis=axes, keepdims=True))
-    rstd = emit(imp, relax.op.rsqrt(relax.op.add(var, scalar(eps, dt))))
+    rstd = emit(imp, relax.op.rsqrt(relax.op.add(var, scalar(eps, acc))))
     out = emit(imp, relax.op.multiply(xc, rstd))
     if w is not None:
         out = emit(imp, relax.op.multiply(out, w))
     if b is not None:
         out = emit(imp, relax.op.add(out, b))
-    return emit(imp, relax.Tuple([out, mean, rstd]))
+    stats = [mean, rstd]
+    if acc != dt:
+        out = to_dtype(imp, out, dt)
+        stats = [cast(imp, to_dtype(imp, t, dt), out_meta(node, i + 1)[1]) for i, t in enumerate(stats)]
+    return emit(imp, relax.Tuple([out, *stats]))
 
 
 def _bn_bcast(imp, v, nd):
