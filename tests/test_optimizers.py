@@ -178,3 +178,42 @@ def test_adafactor_matches_cpu(dev, foreach):
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p.cpu(), q, rtol=1e-4, atol=1e-5)
     assert not [c for c in metrics.counter_names() if c.startswith("aten::")]
+
+
+MUON_CONFIGS = {  # OptimInfo's Muon configs, and the two options they leave at their defaults
+    "default": {}, "lr": {"lr": 0.01}, "weight_decay": {"weight_decay": 0.2}, "momentum": {"momentum": 0.8},
+    "ns_steps": {"ns_steps": 6}, "ns_coefficients": {"ns_coefficients": (3.4, -4.7, 2.0)},
+    "no nesterov, adamw lr": {"nesterov": False, "adjust_lr_fn": "match_rms_adamw"},
+}
+
+
+def _muon_matches_cpu(dev, config):
+    """Five steps of Muon on nn.Linear(8, 6): its Newton-Schulz iterations run in bfloat16
+    (norm, clamp, division, mm and addmm with alpha and beta), its update is a bfloat16 tensor
+    added to a float32 parameter with alpha = -lr. Each rounds where PyTorch's CPU kernels round."""
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(8, 6, bias=False)
+    model = copy.deepcopy(ref).to(dev)
+    opts = [torch.optim.Muon(m.parameters(), **MUON_CONFIGS[config]) for m in (model, ref)]
+    g = torch.Generator().manual_seed(1)
+    for _ in range(5):
+        x = torch.randn(4, 8, generator=g)
+        for m, opt, d in zip((model, ref), opts, (dev, "cpu")):
+            opt.zero_grad()
+            m(x.to(d)).pow(2).mean().backward()
+            opt.step()
+            lm.mark_step()
+        torch.testing.assert_close(model.weight.detach().cpu(), ref.weight.detach(), rtol=1e-6, atol=1e-7)
+    assert not [c for c in metrics.counter_names() if c.startswith("aten::")]
+
+
+@pytest.mark.parametrize("config", MUON_CONFIGS)
+def test_muon_matches_cpu(dev, config):
+    _muon_matches_cpu(dev, config)
+
+
+@pytest.mark.usefixtures("tvm_kernels")
+@pytest.mark.parametrize("config", ["default", "ns_steps"])
+def test_muon_matches_cpu_in_tvm_kernels(dev, config):
+    """The same with its products as TVM code rather than PyTorch's kernels."""
+    _muon_matches_cpu(dev, config)

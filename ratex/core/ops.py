@@ -293,6 +293,17 @@ def _float_scalar_dtype(dtype) -> torch.dtype:
 
 
 _MULS = (aten.mul.Tensor, aten.mul.Scalar)
+_PRODUCTS = (*_MULS, aten.div.Tensor, aten.div.Scalar)
+
+
+def _lifted_dtype(func, dtype) -> torch.dtype:
+    """The dtype of the 0-dim input a Python float next to a tensor of `dtype` becomes in `func`.
+
+    PyTorch's CPU mul and div read a scalar operand of a float16/bfloat16 tensor at float32
+    precision (0.01 is not 0.010009765625); add and sub round it to the tensor's dtype first."""
+    if func in _PRODUCTS and dtype in (torch.float16, torch.bfloat16):
+        return torch.float32
+    return _float_scalar_dtype(dtype)
 
 
 def _lift_scalar(func, args):
@@ -313,7 +324,7 @@ def _lift_scalar(func, args):
         zero_times_float = func in _MULS and type(scalar) in (int, float) and scalar == 0 and dtype.is_floating_point
         if not zero_times_float:
             return func, args
-    lifted = (first, _scalar_input(scalar, _float_scalar_dtype(dtype)))
+    lifted = (first, _scalar_input(scalar, _lifted_dtype(func, dtype)))
     return _LIFT[id(func)], (lifted + tuple(args[2:]) if len(args) > 2 else lifted)
 
 
@@ -352,6 +363,17 @@ def _add_alpha(func):
     def decomp(a, b, *, alpha=1, last=_call):
         if alpha == 1 or not _is_arg_tensor(b):
             return NotImplemented
+        if _liftable(alpha) and _is_value_arg(a) and _is_value_arg(b):
+            # One node, a + b * alpha (addcmul's rule), as PyTorch computes it: in the result's dtype
+            # (float32 for float16/bfloat16), alpha rounded to it, b not first multiplied in its own
+            # dtype (Muon adds a bfloat16 update to a float32 parameter with alpha = -lr).
+            dtype = torch.promote_types(_arg_sig(a)[2], _arg_sig(b)[2])
+            if dtype.is_floating_point:
+                sign = -1 if func is aten.sub.Tensor else 1
+                value = _value_op(aten.addcmul.default, a, b, _scalar_input(sign * alpha, dtype))
+                if type(value) is _V and last is _call:
+                    return tensor.LazyTensor.from_value(value.value)
+                return value
         return last(func, a, _value_op(aten.mul.Tensor, b, alpha))
 
     return decomp
@@ -750,7 +772,7 @@ def _simple_inplace_value(simple, target, other, kwargs):
             return None
     elif t is float and alpha == 1 and _liftable(other):
         op, spec = fop, _BINARY_SPEC
-        inputs = (target._value(), _scalar_input(other, target._sig[2]).value)
+        inputs = (target._value(), _scalar_input(other, _lifted_dtype(fop, target._sig[2])).value)
     else:
         return None
     counter = _lowered_counter(op)

@@ -34,7 +34,8 @@ from .registry import rule
 # float64; int / int stays int) and LLVM codegen rejects comparisons of bool/int8/uint8
 # and arithmetic on bool. These compute in the dtype PyTorch computes in: the output's
 # for arithmetic, torch.result_type of the inputs for comparisons; narrow integer and
-# bool math runs in int32 (exact for these ops) and is cast back.
+# bool math runs in int32 (exact for these ops) and is cast back; float16/bfloat16
+# arithmetic in float32, rounded once (PyTorch's CPU kernels' opmath).
 _ARITH = {
     "add.Tensor": relax.op.add, "sub.Tensor": relax.op.subtract, "mul.Tensor": relax.op.multiply,
     "div.Tensor": relax.op.divide, "maximum.default": relax.op.maximum, "minimum.default": relax.op.minimum,
@@ -46,6 +47,7 @@ _COMPARE = {
     for kind in ("Tensor", "Scalar")
 }
 _NARROW = {"bool", "int8", "uint8", "int16"}
+_HALF = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def _binary(imp, node):
@@ -60,6 +62,8 @@ def _binary(imp, node):
     compute = to_tvm(torch.result_type(*vals)) if name in _COMPARE else out_dtype
     if compute in _NARROW:
         compute = "int32"
+    elif compute in _HALF and name not in _COMPARE:
+        compute = "float32"  # as PyTorch's kernels: operands (a float32 scalar too) at float32, one rounding
     bb = imp.block_builder
     if name == "div.Tensor" and not hasattr(node.args[1], "meta") and node.args[1] == 0 \
             and compute.startswith("float"):
@@ -72,7 +76,7 @@ def _binary(imp, node):
     if alpha != 1:
         operands[1] = bb.emit(relax.op.multiply(operands[1], relax.const(alpha, compute)))
     out = bb.emit({**_ARITH, **_COMPARE}[name](*operands))
-    return out if compute == out_dtype else bb.emit(relax.op.astype(out, out_dtype))
+    return out if compute == out_dtype else to_dtype(imp, out, out_dtype)
 
 
 rule(*_ARITH, *_COMPARE)(_binary)
@@ -83,7 +87,7 @@ def addcmul(imp, node):
     """self + value * t1 * t2, computed in the output's dtype (narrow integers in int32).
     ratex records an optimizer's `p.add_(buf, alpha=-lr)` as addcmul(p, buf, lr_input)."""
     out_dtype = to_tvm(node.meta["val"].dtype)
-    compute = "int32" if out_dtype in _NARROW else out_dtype
+    compute = "int32" if out_dtype in _NARROW else "float32" if out_dtype in _HALF else out_dtype
     bb = imp.block_builder
     x, t1, t2 = (cast(imp, imp.env[a], compute) for a in node.args[:3])
     prod = bb.emit(relax.op.multiply(t1, t2))
@@ -91,7 +95,7 @@ def addcmul(imp, node):
     if value != 1:
         prod = bb.emit(relax.op.multiply(relax.const(value, compute), prod))
     out = bb.emit(relax.op.add(x, prod))
-    return out if compute == out_dtype else bb.emit(relax.op.astype(out, out_dtype))
+    return out if compute == out_dtype else to_dtype(imp, out, out_dtype)
 
 
 @rule("rsub.Scalar")
@@ -149,8 +153,9 @@ def clamp(imp, node):
         out = emit(imp, relax.op.maximum(out, relax.const(lo, dt)))
     if hi is not None:
         out = emit(imp, relax.op.minimum(out, relax.const(hi, dt)))
-    if is_float(dt):
-        out = emit(imp, relax.op.where(relax.op.isnan(x), x, out))
+    if is_float(dt):  # TVM's isnan takes no bfloat16: test the exact float32 value
+        nan = relax.op.isnan(cast(imp, x, "float32") if dt == "bfloat16" else x)
+        out = emit(imp, relax.op.where(nan, x, out))
     return out
 
 
@@ -191,9 +196,6 @@ def to(imp, node):
 # TVM's power takes float32/float64 only. PyTorch's CPU kernels compute a float16 or bfloat16
 # power in float32 with the exponent first converted to the tensor's dtype, and round once;
 # bfloat16's x^3 and x^-2 are products of bfloat16 values, rounded after each operation.
-_HALF = {"float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
 @rule("pow.Tensor_Scalar", "pow.Tensor_Tensor")
 def power(imp, node):
     shp, dt = out_meta(node)

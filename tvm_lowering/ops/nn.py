@@ -222,16 +222,18 @@ def softmax(imp, node):
 # ---- matrix products (when not sent to the kernel library) ------------------------------------
 # TVM's translator gives mm/bmm/addmm a float32 result whatever the inputs (a float64 product
 # came back float32) and reads addmm's alpha and beta from keywords only. Half-precision
-# products accumulate in float32, as PyTorch's CPU kernels do.
+# products accumulate in float32 and round once, alpha * A @ B + beta * C included, as
+# PyTorch's CPU kernels do.
 def _matmul(imp, a, b, dt):
+    """a @ b in `dt`; half precision: the float32 product, not yet rounded."""
     acc = "float32" if dt in ("float16", "bfloat16") else dt
-    out = emit(imp, relax.op.matmul(a, b, out_dtype=acc))
-    return out if acc == dt else emit(imp, relax.op.astype(out, dt))
+    return emit(imp, relax.op.matmul(a, b, out_dtype=acc))
 
 
 @rule("mm.default", "bmm.default")
 def matrix_product(imp, node):
-    return _matmul(imp, env(imp, node.args[0]), env(imp, node.args[1]), out_meta(node)[1])
+    dt = out_meta(node)[1]
+    return to_dtype(imp, _matmul(imp, env(imp, node.args[0]), env(imp, node.args[1]), dt), dt)
 
 
 @rule("addmm.default")
@@ -240,13 +242,15 @@ def addmm(imp, node):
     bias, a, b = (env(imp, x) for x in node.args[:3])
     beta, alpha = arg(node, 3, "beta", 1), arg(node, 4, "alpha", 1)
     out = _matmul(imp, a, b, dt)
+    acc = dtype(out)
     if alpha != 1:
-        out = emit(imp, relax.op.multiply(out, scalar(alpha, dt)))
-    if beta == 0:  # PyTorch ignores the bias then, NaN included
-        return out
-    if beta != 1:
-        bias = emit(imp, relax.op.multiply(bias, scalar(beta, dt)))
-    return emit(imp, relax.op.add(bias, out))
+        out = emit(imp, relax.op.multiply(out, scalar(alpha, acc)))
+    if beta != 0:  # else PyTorch ignores the bias, NaN included
+        bias = cast(imp, bias, acc)
+        if beta != 1:
+            bias = emit(imp, relax.op.multiply(bias, scalar(beta, acc)))
+        out = emit(imp, relax.op.add(bias, out))
+    return to_dtype(imp, out, dt)
 
 
 @rule("addbmm.default")
@@ -260,13 +264,15 @@ def addbmm(imp, node):
     p = shape(b2)[2]
     rows = emit(imp, relax.op.reshape(relax.op.permute_dims(b1, [1, 0, 2]), [n, nb * m]))
     cols = emit(imp, relax.op.reshape(b2, [nb * m, p]))
-    out = emit(imp, relax.op.matmul(rows, cols))
+    out = _matmul(imp, rows, cols, dt)
+    acc = dtype(out)
     if alpha != 1:
-        out = emit(imp, relax.op.multiply(out, relax.const(alpha, dt)))
-    if beta == 0:
-        return out
-    scaled = inp if beta == 1 else emit(imp, relax.op.multiply(inp, relax.const(beta, dt)))
-    return emit(imp, relax.op.add(out, relax.op.broadcast_to(scaled, shp)))
+        out = emit(imp, relax.op.multiply(out, relax.const(alpha, acc)))
+    if beta != 0:
+        scaled = cast(imp, inp, acc)
+        scaled = scaled if beta == 1 else emit(imp, relax.op.multiply(scaled, relax.const(beta, acc)))
+        out = emit(imp, relax.op.add(out, relax.op.broadcast_to(scaled, shp)))
+    return to_dtype(imp, out, dt)
 
 
 # ---- attention --------------------------------------------------------------------------------
