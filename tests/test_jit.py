@@ -690,3 +690,30 @@ class _CastsAndMasks(nn.Module):
 def test_scripted_to_device_and_bitwise_not():
     torch.manual_seed(0)
     _scripted_grads_match_cpu(_CastsAndMasks(), torch.randn(4, 6), torch.rand(4, 6) > 0.5)
+
+
+class _Activation(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(x) * 1.5
+
+
+SCRIPTED_ACTIVATIONS = {
+    "hardtanh": lambda t: F.hardtanh(t, -0.5, 1.5), "relu6": F.relu6, "hardsigmoid": F.hardsigmoid,
+    "hardswish": F.hardswish, "leaky_relu": lambda t: F.leaky_relu(t, 0.2), "softplus": lambda t: F.softplus(t, 2.0, 1.5),
+    "prelu": nn.PReLU(3, 0.2), "threshold": lambda t: F.threshold(t, 0.5, -2.0), "hardshrink": lambda t: F.hardshrink(t, 0.5),
+    "glu": lambda t: F.glu(t, -1), "mish": F.mish, "logsigmoid": F.logsigmoid,
+    "rrelu eval": lambda t: F.rrelu(t, 0.1, 0.4, training=False), "celu": lambda t: F.celu(t, 2.0),
+}
+
+
+@pytest.mark.parametrize("name", SCRIPTED_ACTIVATIONS)
+def test_scripted_activation_gradients_are_pytorchs(name):
+    """Scripted, each is Relax ops with gradients (they fell back to CPU: no Relax gradient for
+    clip, leakyrelu, softplus, prelu, no rule for the composite ops); at their thresholds too."""
+    x = torch.cat([torch.linspace(-4, 4, 33), torch.zeros(1)]).repeat(2, 3, 1)  # (2, 3, 34): 0.25 apart
+    fn = SCRIPTED_ACTIVATIONS[name]
+    _scripted_grads_match_cpu(_Activation(copy.deepcopy(fn) if isinstance(fn, nn.Module) else fn), x)

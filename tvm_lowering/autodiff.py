@@ -344,6 +344,51 @@ def _bitwise_not_grad(orig_var, orig_call, output_grad, bb):
     return [op.grad.no_grad(orig_call.args[0])]
 
 
+# Activations a scripted model reaches through TVM's rules, with PyTorch's backward formulas
+# (at the bounds too: hardtanh's gradient is 0 where x is a bound).
+@_register("relax.clip")
+def _clip_grad(orig_var, orig_call, output_grad, bb):
+    x, lo, hi = orig_call.args
+    inside = op.logical_and(op.greater(x, _bound(lo, x)), op.less(x, _bound(hi, x)))
+    return [op.where(inside, output_grad, _const(0, x)), op.grad.no_grad(lo), op.grad.no_grad(hi)]
+
+
+def _bound(value, like):
+    """A clip bound (a PrimValue, or the literal it holds) as a constant of `like`'s dtype."""
+    while hasattr(value, "value"):
+        value = value.value
+    return _const(float(value), like)
+
+
+@_register("relax.nn.leakyrelu")
+def _leakyrelu_grad(orig_var, orig_call, output_grad, bb):
+    x = orig_call.args[0]
+    slope = float(orig_call.attrs.alpha)
+    return [op.where(op.greater(x, _const(0, x)), output_grad, op.multiply(output_grad, _const(slope, x)))]
+
+
+@_register("relax.nn.softplus")
+def _softplus_grad(orig_var, orig_call, output_grad, bb):
+    # g where beta * x > threshold (softplus is x there), else g * sigmoid(beta * x)
+    x = orig_call.args[0]
+    beta, threshold = float(orig_call.attrs.beta), float(orig_call.attrs.threshold)
+    bx = op.multiply(x, _const(beta, x))
+    return [op.where(op.greater(bx, _const(threshold, x)), output_grad, op.multiply(output_grad, op.sigmoid(bx)))]
+
+
+@_register("relax.nn.prelu")
+def _prelu_grad(orig_var, orig_call, output_grad, bb):
+    x, w = orig_call.args
+    axis = int(orig_call.attrs.axis) % len(_shape(x))
+    shape = [1] * len(_shape(x))
+    shape[axis] = _shape(w)[0]
+    wb = op.reshape(w, shape)
+    positive = op.greater(x, _const(0, x))
+    gw = op.where(positive, _const(0, x), op.multiply(x, output_grad))
+    gw = op.sum(gw, [d for d in range(len(shape)) if d != axis or _shape(w)[0] == 1])
+    return [op.where(positive, output_grad, op.multiply(wb, output_grad)), op.reshape(gw, _shape(w))]
+
+
 @_register("relax.nn.dropout")
 def _dropout_grad(orig_var, orig_call, output_grad, bb):
     # TVM's dropout op draws no seed; a scripted dropout multiplies by a keep-mask input instead.

@@ -320,6 +320,61 @@ def _elu(imp, x, alpha, scale, input_scale):
     return emit_te(imp, compute, x)
 
 
+# ---- activations in a jit.script forward ------------------------------------------------------
+# Composite ops the lazy device sees as their parts; a scripted forward records them whole.
+# Written in Relax ops whose gradients (TVM's and autodiff.py's) are PyTorch's backward
+# formulas, at the thresholds too: where(c, a, b) passes the gradient of the branch taken.
+def _activation(fn):
+    """A script rule computing fn(x, const, *args) on the node's first argument."""
+    def lower(imp, node):
+        x = env(imp, node.args[0])
+        dt = dtype(x)
+        return emit(imp, fn(x, lambda v: relax.const(v, dt), *node.args[1:]))
+
+    return lower
+
+
+def _threshold(x, c, threshold, value):
+    return relax.op.where(relax.op.less_equal(x, c(threshold)), c(value), x)
+
+
+def _hardshrink(x, c, lambd=0.5):
+    dead = relax.op.logical_and(relax.op.greater_equal(x, c(-lambd)), relax.op.less_equal(x, c(lambd)))
+    return relax.op.where(dead, c(0.0), x)
+
+
+def _hardswish(x, c):
+    # x * (x + 3) / 6 strictly between -3 and 3, in PyTorch's order (its backward's bounds); x * 0
+    # below keeps PyTorch's -0.0
+    inner = relax.op.divide(relax.op.multiply(x, relax.op.add(x, c(3.0))), c(6.0))
+    low = relax.op.multiply(x, c(0.0))
+    return relax.op.where(relax.op.less_equal(x, c(-3.0)), low, relax.op.where(relax.op.less(x, c(3.0)), inner, x))
+
+
+def _log_sigmoid(x, c):
+    return relax.op.negative(relax.op.nn.softplus(relax.op.negative(x)))  # its gradient at 0 is sigmoid(0)
+
+
+def _mish(x, c):
+    return relax.op.multiply(x, relax.op.tanh(relax.op.nn.softplus(x)))
+
+
+def _rrelu(x, c, lower=1 / 8, upper=1 / 3, training=False, generator=None):
+    if training:
+        raise NotImplementedError("rrelu in training mode in a scripted forward (random slopes)")
+    return relax.op.nn.leakyrelu(x, (lower + upper) / 2)
+
+
+def _glu(x, c, dim=-1):
+    a, b = (relax.TupleGetItem(relax.op.split(x, 2, axis=dim), i) for i in (0, 1))
+    return relax.op.multiply(a, relax.op.sigmoid(b))
+
+
+for _name, _fn in (("threshold", _threshold), ("hardshrink", _hardshrink), ("hardswish", _hardswish),
+                   ("log_sigmoid", _log_sigmoid), ("mish", _mish), ("rrelu", _rrelu), ("glu", _glu)):
+    rule(f"{_name}.default", script=True)(_activation(_fn))
+
+
 @rule("log1p.default", tir=True)
 def log1p(imp, node):
     """The C library's log1p: TVM's rule is log(1 + x), which loses all of a small x (log_ndtr
