@@ -12,6 +12,7 @@ import torch.nn.functional as F
 import ratex.lazy_tensor_core.core.lazy_model as lm
 from ratex import config
 from ratex.lazy_tensor_core.debug import metrics
+from rule_check import train_side_by_side
 
 FLOATS = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 INTS = [torch.int32, torch.int64]
@@ -245,67 +246,13 @@ def test_bfloat16_language_model_trains_in_tvm(dev):
     torch.manual_seed(0)
     ref = _TinyBf16LM().bfloat16()
     lazy = copy.deepcopy(ref).to(dev)
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (lazy, ref)]
+    batches = [(torch.randint(0, 50, (4, 8)),) for _ in range(3)]
     compiles = []
-    for _ in range(3):
-        ids = torch.randint(0, 50, (4, 8))
-        losses = []
-        for m, opt, d in zip((lazy, ref), opts, (dev, "cpu")):
-            opt.zero_grad()
-            logits = m(ids.to(d))
-            loss = F.cross_entropy(logits.float().view(-1, 50), ids.to(d).view(-1))
-            loss.backward()
-            opt.step()
-            lm.mark_step()
-            losses.append(loss.item())
-        compiles.append(metrics.counter_value("UncachedCompile"))
+    history = train_side_by_side(
+        lazy, ref, lambda p: torch.optim.SGD(p, lr=0.1), batches,
+        lambda m, ids: F.cross_entropy(m(ids).float().view(-1, 50), ids.view(-1)), dev,
+        on_step=lambda: compiles.append(metrics.counter_value("UncachedCompile")))
+    for losses in history:
         torch.testing.assert_close(*losses, rtol=2e-2, atol=1e-2)
     assert not _fallbacks(), _fallbacks()
     assert len(set(compiles)) == 1, compiles
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_half_precision_reductions_accumulate_in_float32(dev, dtype):
-    """Sums, means, norms, variances and cumulative sums of float16/bfloat16 accumulate in float32
-    and round once, as PyTorch's CPU kernels do (accumulated in bfloat16, a row sum of 96 elements
-    came out 100% off): equal to CPU's to the bit."""
-    torch.manual_seed(0)
-    x = torch.randn(64, 96).to(dtype)
-    cases = [lambda t: t.sum(), lambda t: t.sum(0), lambda t: t.sum(1, keepdim=True), lambda t: t.mean(),
-             lambda t: t.mean(1), lambda t: t.norm(), lambda t: t.norm(dim=1),
-             lambda t: torch.linalg.vector_norm(t, 3, dim=1), lambda t: torch.linalg.vector_norm(t, 1),
-             lambda t: t.var(1), lambda t: t.std(), lambda t: t.std(0, correction=0), lambda t: t.cumsum(1)]
-    metrics.reset()
-    got = [f(x.to(dev)) for f in cases]
-    got = [t.cpu() for t in got]
-    assert not _fallbacks(), _fallbacks()
-    for i, (a, f) in enumerate(zip(got, cases)):
-        assert a.dtype == dtype and torch.equal(a, f(x)), i
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_half_precision_scalars_and_alpha_keep_float32_precision(dev, dtype):
-    """A Python float next to a float16/bfloat16 tensor is a float32 scalar to PyTorch's kernels
-    (0.01 is not rounded to 0.010009765625), and a + alpha * b with b narrower than a widens b
-    first (Muon adds its bfloat16 update to a float32 parameter with alpha = -lr)."""
-    torch.manual_seed(0)
-    p, u = torch.randn(6, 8), torch.randn(6, 8).to(dtype)
-
-    def run(p, u):
-        q = p.clone()
-        q.add_(u, alpha=-0.01)
-        v = u.clone()
-        v.add_(u, alpha=0.37)
-        w = u.clone()
-        w.mul_(0.3)
-        return [q, torch.add(p, u, alpha=-0.01), torch.sub(p, u, alpha=0.7), u * 0.01 + p, u * 0.01, u / 3.3, v, w]
-
-    metrics.reset()
-    got = [t.cpu() for t in run(p.to(dev), u.to(dev))]
-    assert not _fallbacks(), _fallbacks()
-    for i, (a, b) in enumerate(zip(got, run(p, u))):
-        assert a.dtype == b.dtype
-        if i == 6:  # PyTorch's own vector and scalar loops differ here (alpha rounded or not): a step apart
-            assert _ulps(a, b).max() <= 1, i
-        else:
-            assert torch.equal(a, b), i

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 import ratex.lazy_tensor_core.core.lazy_model as lm
+from rule_check import train_side_by_side
 
 IMG = (4, 3, 6, 6)
 SEQ = (2, 5, 8)
@@ -93,18 +94,11 @@ def test_padding_mask_trains_like_cpu_without_fallback(dev, make):
     torch.manual_seed(0)
     ref = make()
     lazy = copy.deepcopy(ref).to(dev)
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (lazy, ref)]
     pad = torch.tensor([[False] * 5 + [True] * 2, [False] * 7])
-    for _ in range(3):
-        x = torch.randn(2, 7, 8)
-        losses = []
-        for m, opt, dev_of in zip((lazy, ref), opts, (dev, "cpu")):
-            opt.zero_grad()
-            loss = m(x.to(dev_of), pad.to(dev_of)).pow(2).mean()
-            loss.backward()
-            opt.step()
-            lm.mark_step()
-            losses.append(loss.item())
+    batches = [(torch.randn(2, 7, 8), pad) for _ in range(3)]
+    history = train_side_by_side(lazy, ref, lambda p: torch.optim.SGD(p, lr=0.1), batches,
+                                 lambda m, x, pad: m(x, pad).pow(2).mean(), dev)
+    for losses in history:
         torch.testing.assert_close(*losses, rtol=1e-4, atol=1e-5)
     for p, q in zip(lazy.parameters(), ref.parameters()):
         torch.testing.assert_close(p.cpu(), q, rtol=1e-4, atol=1e-5)

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 import ratex.lazy_tensor_core.core.lazy_model as lm
 from ratex.lazy_tensor_core.debug import metrics
+from rule_check import train_side_by_side
 
 OPTIMIZERS = {
     "sgd-nesterov-wd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-4),
@@ -161,19 +162,11 @@ def test_adafactor_matches_cpu(dev, foreach):
     torch.manual_seed(0)
     ref = torch.nn.Linear(8, 4)
     model = copy.deepcopy(ref).to(dev)
-    opt = torch.optim.Adafactor(model.parameters(), foreach=foreach)
-    ref_opt = torch.optim.Adafactor(ref.parameters(), foreach=foreach)
     g = torch.Generator().manual_seed(1)
-    for _ in range(3):
-        x = torch.randn(5, 8, generator=g)
-        losses = []
-        for m, o, inp in ((model, opt, x.to(dev)), (ref, ref_opt, x)):
-            o.zero_grad()
-            loss = m(inp).pow(2).mean()
-            loss.backward()
-            o.step()
-            lm.mark_step()
-            losses.append(loss.item())
+    batches = [(torch.randn(5, 8, generator=g),) for _ in range(3)]
+    history = train_side_by_side(model, ref, lambda p: torch.optim.Adafactor(p, foreach=foreach), batches,
+                                 lambda m, x: m(x).pow(2).mean(), dev)
+    for losses in history:
         torch.testing.assert_close(*losses, rtol=1e-4, atol=1e-5)
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p.cpu(), q, rtol=1e-4, atol=1e-5)
@@ -194,16 +187,14 @@ def _muon_matches_cpu(dev, config):
     torch.manual_seed(0)
     ref = torch.nn.Linear(8, 6, bias=False)
     model = copy.deepcopy(ref).to(dev)
-    opts = [torch.optim.Muon(m.parameters(), **MUON_CONFIGS[config]) for m in (model, ref)]
     g = torch.Generator().manual_seed(1)
-    for _ in range(5):
-        x = torch.randn(4, 8, generator=g)
-        for m, opt, d in zip((model, ref), opts, (dev, "cpu")):
-            opt.zero_grad()
-            m(x.to(d)).pow(2).mean().backward()
-            opt.step()
-            lm.mark_step()
+    batches = [(torch.randn(4, 8, generator=g),) for _ in range(5)]
+
+    def same_weights():
         torch.testing.assert_close(model.weight.detach().cpu(), ref.weight.detach(), rtol=1e-6, atol=1e-7)
+
+    train_side_by_side(model, ref, lambda p: torch.optim.Muon(p, **MUON_CONFIGS[config]), batches,
+                       lambda m, x: m(x).pow(2).mean(), dev, on_step=same_weights)
     assert not [c for c in metrics.counter_names() if c.startswith("aten::")]
 
 
