@@ -246,6 +246,12 @@ def _matmul_grad(orig_var, orig_call, output_grad, bb):
     # scripted GPT benchmark 6.5 ms a layer, besides batched matmuls). As one 2-d product
     # of the flattened rows, x2^T @ g2, it is a single matmul with nothing to sum.
     a, b = orig_call.args
+    acc = orig_call.attrs.out_dtype
+    acc = _dtype(a) if acc is None or str(acc) in ("", "void") else str(acc)
+    if acc != _dtype(a):
+        # a half-precision product accumulated in float32: so are its gradients, then rounded
+        wide = bb.normalize(op.matmul(op.astype(a, acc), op.astype(b, acc)))
+        return [op.astype(g, _dtype(x)) for g, x in zip(_matmul_grad(orig_var, wide, output_grad, bb), (a, b))]
     if len(_shape(a)) <= 2 or len(_shape(b)) != 2:
         return _op_gradient.matmul_grad(orig_var, orig_call, output_grad, bb)
     k, n = _shape(b)

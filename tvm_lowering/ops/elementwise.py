@@ -201,6 +201,10 @@ def power(imp, node):
     shp, dt = out_meta(node)
     if dt not in _HALF:
         return imp.tvm_rules[node.target.__name__](node)
+    if imp.differentiable:  # Relax's power, which has a gradient, in float32
+        x, e = (cast(imp, env(imp, a), "float32") if isinstance(a, torch.fx.Node) else relax.const(a, "float32")
+                for a in node.args[:2])
+        return cast(imp, emit(imp, relax.op.power(x, e)), dt)
     x = cast(imp, to_dtype(imp, env(imp, node.args[0]), dt), "float32")
     e = node.args[1]
     if isinstance(e, torch.fx.Node):

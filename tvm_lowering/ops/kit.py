@@ -146,8 +146,11 @@ def _round_to_bf16_te(x):
 
 
 def to_dtype(imp, x, dt):
-    """`x` cast to `dt`; to bfloat16 rounded to nearest even, as PyTorch rounds."""
-    if dt != "bfloat16" or dtype(x) == "bfloat16":
+    """`x` cast to `dt`; to bfloat16 rounded to nearest even, as PyTorch rounds.
+
+    In a jit.script forward a plain cast: the rounding is a TIR kernel, which Relax's Gradient
+    cannot differentiate."""
+    if dt != "bfloat16" or dtype(x) == "bfloat16" or imp.differentiable:
         return cast(imp, x, dt)
     return emit(imp, relax.op.astype(emit_te(imp, _round_to_bf16_te, cast(imp, x, "float32")), "bfloat16"))
 

@@ -253,6 +253,18 @@ def addmm(imp, node):
     return to_dtype(imp, out, dt)
 
 
+@rule("linear.default", script=True)
+def linear(imp, node):
+    """x @ w.T + b as a scripted model records it (TVM's rule makes every linear float32: a
+    float64 one came back float32, a half-precision one failed to add its bias)."""
+    x, w, b = env(imp, node.args[0]), env(imp, node.args[1]), env(imp, arg(node, 2, "bias"))
+    dt = out_meta(node)[1]
+    out = _matmul(imp, x, emit(imp, relax.op.permute_dims(w, [1, 0])), dt)
+    if b is not None:
+        out = emit(imp, relax.op.add(out, cast(imp, b, dtype(out))))
+    return to_dtype(imp, out, dt)
+
+
 @rule("addbmm.default")
 def addbmm(imp, node):
     """beta * input + alpha * sum_b batch1[b] @ batch2[b], the batch sum done by one matmul:
