@@ -143,13 +143,23 @@ def _convolution_backward(g, x, w, attrs):
 
 @functools.lru_cache(maxsize=None)
 def _aten_call(attrs: str):
-    """(op, args template, kwargs) of a `ratex.lib.aten` call; see tvm_lowering/ops/library.py."""
+    """(op, positional args template, keyword args template) of a `ratex.lib.aten` call; see
+    tvm_lowering/ops/library.py. Template entries past the op's positional parameters go to their
+    keyword-only ones by name: ATen takes `approximate` of gelu only as `approximate=`."""
     cfg = json.loads(str(attrs))
     _, name, overload = cfg["op"].split(".")  # "aten.<op>.<overload>"
     op = getattr(getattr(aten, name), overload)
     args = [getattr(torch, a["dtype"]) if isinstance(a, dict) and "dtype" in a else a for a in cfg["args"]]
     kwargs = {k: getattr(torch, v) if k.endswith("dtype") and isinstance(v, str) else v for k, v in cfg["kwargs"].items()}
-    return op, args, kwargs
+    params = op._schema.arguments
+    positional = sum(not p.kwarg_only for p in params)
+    if len(args) > len(params):
+        raise TypeError(f"ratex.lib.aten_out: {cfg['op']} takes {len(params)} arguments, the call has {len(args)}")
+    for param, value in zip(params[positional:], args[positional:]):
+        if param.name in kwargs:
+            raise TypeError(f"ratex.lib.aten_out: {cfg['op']} got '{param.name}' by position and by keyword")
+        kwargs[param.name] = value
+    return op, args[:positional], kwargs
 
 
 @functools.lru_cache(maxsize=None)
@@ -167,13 +177,18 @@ def _out_overload(op):
 def _aten_out(*args):
     op, template, kwargs = _aten_call(args[-2])
     tensors = [torch.from_dlpack(x) for x in args[:-2]]
-    call = [tensors[a["tensor"]] if isinstance(a, dict) and "tensor" in a else a for a in template]
+
+    def value(a):
+        return tensors[a["tensor"]] if isinstance(a, dict) and "tensor" in a else a
+
+    call = [value(a) for a in template]
+    named = {k: value(a) for k, a in kwargs.items()}
     out = torch.from_dlpack(args[-1])
     out_op, out_name = _out_overload(op)
     if out_op is None:
-        out.copy_(op(*call, **kwargs))
+        out.copy_(op(*call, **named))
     else:
-        out_op(*call, **kwargs, **{out_name: out})
+        out_op(*call, **named, **{out_name: out})
 
 
 for _name, _fn in {
