@@ -111,6 +111,80 @@ def test_gpu_without_cuda_fails_at_first_lazy_op():
     assert "RATEX_DEVICE=GPU but no CUDA device" in proc.stderr
 
 
+# ---- device data: the GPU backend's exchange, run here on the CPU device ----------------------------------
+_DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
+           torch.float32, torch.float64]
+
+
+def _cpu_exchange():
+    """The GPU backend's class on the CPU device: the code GPU device data goes through."""
+    from ratex.core.device import DLPackBackend
+
+    return DLPackBackend(tvm_lowering.resolve_target("CPU"), torch.device("cpu"), tvm.cpu())
+
+
+def _sample(dtype, shape=(3, 4)):
+    values = torch.arange(-5, -5 + torch.Size(shape).numel()).reshape(shape) * 3
+    return values > 0 if dtype == torch.bool else (values / 7 if dtype.is_floating_point else values).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", _DTYPES, ids=str)
+def test_device_data_round_trips_every_dtype_without_numpy(dtype, monkeypatch):
+    def no_numpy(*args, **kwargs):
+        raise AssertionError("device data went through numpy")
+
+    monkeypatch.setattr(tvm.runtime.Tensor, "numpy", no_numpy)
+    be = _cpu_exchange()
+    for shape in [(3, 4), (), (1,), (0, 2)]:
+        cpu = _sample(dtype, shape)
+        data = be.upload(cpu)
+        assert type(data) is torch.Tensor and data.dtype == dtype
+        assert not cpu.numel() or data.data_ptr() != cpu.data_ptr()  # a copy of its own
+        back = be.download(data)
+        assert back.dtype == dtype and back.shape == cpu.shape and torch.equal(back, cpu)
+        back.fill_(True if dtype == torch.bool else 1)  # the caller's to modify: the device data keep their values
+        assert torch.equal(be.download(data), cpu)
+    strided = _sample(dtype, (4, 6))[:, ::2]
+    assert torch.equal(be.download(be.upload(strided)), strided)
+    assert torch.equal(be.download(be.full((2, 3), True if dtype == torch.bool else 3, dtype)),
+                       torch.full((2, 3), True if dtype == torch.bool else 3, dtype=dtype))
+    data = be.upload(_sample(dtype))
+    twin = be.copy(data)
+    assert twin.data_ptr() != data.data_ptr() and torch.equal(twin, data)
+
+
+def test_programs_take_and_give_device_data_by_dlpack():
+    """A compiled program reads bfloat16, bool and empty inputs and returns device data (TVM's
+    outputs viewed as torch tensors), through the GPU backend's `call` on the CPU device."""
+    from tvm import relax
+
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((2, 3), "bfloat16"))
+    m = relax.Var("m", relax.TensorType((2, 3), "bool"))
+    e = relax.Var("e", relax.TensorType((0, 3), "float32"))
+    with bb.function("main", [x, m, e]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.where(m, relax.op.multiply(x, relax.const(2, "bfloat16")), x))
+            out = bb.emit_output(relax.Tuple([y, relax.op.add(e, relax.const(1, "float32"))]))
+        bb.emit_func_output(out)
+    vm = relax.VirtualMachine(tvm_lowering.build(bb.get(), tvm_lowering.resolve_target("CPU")), tvm.cpu())
+    be = _cpu_exchange()
+    xs, ms = _sample(torch.bfloat16, (2, 3)), _sample(torch.bool, (2, 3))
+    inputs = [be.upload(xs), be.upload(ms), be.upload(torch.empty(0, 3))]
+    y, ye = be.call(vm["main"], inputs, empty=True)
+    assert type(y) is torch.Tensor and torch.equal(be.download(y), torch.where(ms, xs * 2, xs))
+    assert be.download(ye).shape == (0, 3)
+
+
+def test_gpu_backend_needs_torch_with_cuda(monkeypatch):
+    from ratex.core import device
+
+    monkeypatch.setattr(device, "_cuda_arch", lambda: "sm_90")  # as if TVM saw a GPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match=r"RATEX_DEVICE=GPU needs a PyTorch build with CUDA, but torch .* has none"):
+        device.GPUBackend()
+
+
 # Trains LeNet-5 for a few SGD steps on one batch on the device `sys.argv[1]` names ("lazy" or "cpu"), scripted
 # if sys.argv[2] == "script"; prints the losses.
 _TRAIN = """
