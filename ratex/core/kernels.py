@@ -11,7 +11,8 @@ Transposed operands arrive untransposed with a flag and are passed as strided vi
 
 These Python functions are the fallback: when the native library exists (csrc/kernels.cc,
 built by the install into the package as ratex/_lib/libratex_kernels.so: see setup.py) it
-replaces them with C++ versions of the same names and calling convention. Compiled
+replaces them with C++ versions of the same names and calling convention (on GPU, where it
+was built against a torch with CUDA). Compiled
 programs run on the executor thread while Python traces the next step, and each Python
 kernel call has to wait for the GIL (LeNet's pipelined steps ran their kernels 2.5x
 slower); the native ones never take it.
@@ -213,8 +214,10 @@ _REBUILD = "rebuild it with scripts/setup.sh in a checkout, or reinstall ratex"
 
 def _load_native():
     """The native kernel library, registered over the Python kernels; None when it is
-    turned off, not built, or built for another torch (its ATen ABI may differ)."""
-    if not config.NATIVE_KERNELS or not backend_class().native_kernels or not _NATIVE_PATH.exists():
+    turned off, not built, built for another torch (its ATen ABI may differ), or, for a GPU
+    backend, built without CUDA (it could not take the programs' CUDA tensors)."""
+    device_type = backend_class().native_kernels  # "cpu", "cuda", or None: the Python kernels
+    if not config.NATIVE_KERNELS or device_type is None or not _NATIVE_PATH.exists():
         return None
     try:
         lib = ctypes.CDLL(str(_NATIVE_PATH))
@@ -225,6 +228,10 @@ def _load_native():
     built_for = lib.RatexNativeTorchVersion().decode()
     if built_for != torch.__version__:
         print(f"ratex: not using the native kernels (built for torch {built_for}, running {torch.__version__}); "
+              f"{_REBUILD}")
+        return None
+    if device_type == "cuda" and not (hasattr(lib, "RatexNativeCuda") and lib.RatexNativeCuda()):
+        print(f"ratex: not using the native kernels on GPU (built without CUDA: is the CUDA toolkit installed?); "
               f"{_REBUILD}")
         return None
     if lib.RatexRegisterNativeKernels() != 0:
