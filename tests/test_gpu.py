@@ -185,6 +185,35 @@ def test_gpu_backend_needs_torch_with_cuda(monkeypatch):
         device.GPUBackend()
 
 
+def _cuda_include():
+    for root in (os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+        if root and os.path.exists(os.path.join(root, "include", "cuda_runtime_api.h")):
+            return os.path.join(root, "include")
+    return None
+
+
+@pytest.mark.skipif(shutil.which("c++") is None or _cuda_include() is None, reason="needs a C++ compiler and CUDA's headers")
+def test_native_kernels_for_cuda_compile(tmp_path):
+    """csrc/kernels.cc's CUDA part (RATEX_WITH_CUDA) compiles against this torch's headers. A CPU
+    torch ships c10's CUDA headers but not the one its CUDA build generates: a stand-in is made."""
+    import tvm_ffi.libinfo
+
+    torch_include = os.path.join(os.path.dirname(torch.__file__), "include")
+    generated = tmp_path / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h"
+    generated.parent.mkdir(parents=True)
+    generated.write_text("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
+    source = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc", "kernels.cc")
+    includes = [torch_include, os.path.join(torch_include, "torch", "csrc", "api", "include"),
+                tvm_ffi.libinfo.find_include_path(), tvm_ffi.libinfo.find_dlpack_include_path(), _cuda_include()]
+    if not os.path.exists(os.path.join(torch_include, "c10", "cuda", "impl", "cuda_cmake_macros.h")):
+        includes.insert(0, str(tmp_path))
+    cmd = ["c++", "-std=gnu++20", "-fsyntax-only", "-Wall", "-Werror", "-Wno-unused-function", "-DRATEX_WITH_CUDA",
+           '-DRATEX_TORCH_VERSION="check"', f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}"]
+    cmd += [arg for path in includes for arg in ("-isystem", path)] + [source]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
 # Trains LeNet-5 for a few SGD steps on one batch on the device `sys.argv[1]` names ("lazy" or "cpu"), scripted
 # if sys.argv[2] == "script"; prints the losses.
 _TRAIN = """
