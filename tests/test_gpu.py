@@ -34,8 +34,8 @@ def build_for_cuda(tmp_path):
     CUDA driver TVM keeps the source, which a GPU machine compiles first (NVRTC), so source
     that CUDA's compilers reject would pass the build alone."""
 
-    def build(mod):
-        executable = tvm_lowering.build(mod, tvm_lowering.resolve_target("GPU", "sm_90"))
+    def build(mod, options=tvm_lowering.Options(), donate=(), donated=None):
+        executable = tvm_lowering.build(mod, tvm_lowering.resolve_target("GPU", "sm_90"), options, donate, donated)
         sources = list(_cuda_sources(executable.mod))
         assert sources, "no CUDA module in the build"
         if shutil.which("nvcc"):
@@ -99,6 +99,120 @@ def test_scripted_attention_gelu_and_dropout_step_builds_for_cuda(dev, build_for
     executable = build_for_cuda(mod)
     assert "main" in executable.as_text()
     lm.mark_step()
+
+
+# ---- CUDA graphs (RATEX_CUDA_GRAPH) ----------------------------------------------------------------------------
+_GRAPHS = tvm_lowering.Options(cuda_graph=True)
+
+
+def _sgd_like(library=False):
+    """main(x, w) -> (x + 1, w - 0.1 * exp(tanh(2 w))): the update of w reads only w, x + 1 reads the
+    step's input; with `library`, w's update goes through a matmul too (a library call, where it is on)."""
+    from tvm import relax
+
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((4, 8), "float32"))
+    w = relax.Var("w", relax.TensorType((8, 8), "float32"))
+    with bb.function("main", [x, w]):
+        with bb.dataflow():
+            g = relax.op.exp(relax.op.tanh(relax.op.multiply(w, relax.const(2.0, "float32"))))
+            if library:
+                g = relax.op.matmul(g, g)
+            wn = bb.emit(relax.op.subtract(w, relax.op.multiply(g, relax.const(0.1, "float32"))))
+            out = bb.emit_output(relax.Tuple([relax.op.add(x, relax.const(1.0, "float32")), wn]))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def _fixed_inputs(mod, donate) -> list:
+    """The inputs that the CUDA graphs of `mod`, built with `donate`, hold at fixed addresses (the
+    lowered module's list: a VM of the executable can't be made without a GPU)."""
+    from tvm import relax
+
+    from tvm_lowering import cuda_graph, pipeline
+
+    target = tvm_lowering.resolve_target("GPU", "sm_90")
+    with target.tvm:
+        lowered = tvm.transform.Sequential(pipeline._passes(target, _GRAPHS, donate, []))(mod)
+    listed = lowered[cuda_graph.GRAPH_INPUTS].body
+    listed = listed.body if isinstance(listed, relax.SeqExpr) else listed
+    assert isinstance(listed, relax.ShapeExpr)
+    return [int(v) for v in listed.values]
+
+
+def _graph_calls(executable) -> int:
+    return executable.as_text().count("call  vm.builtin.cuda_graph.run_or_capture")
+
+
+def test_cuda_graphs_capture_kernels_of_donated_inputs(build_for_cuda):
+    """w is donated: its update is captured, reading w at a fixed address (main's input 1, which
+    the executable lists); x + 1 reads the step's input and runs outside the graph."""
+    from tvm_lowering import cuda_graph
+
+    donated = []
+    executable = build_for_cuda(_sgd_like(), _GRAPHS, donate=[(1, 1)], donated=donated)
+    assert donated == [(1, 1)] and _graph_calls(executable) == 1
+    text = executable.as_text()
+    capture = text[text.index("@main_graph_cuda_graph_capture:"):]
+    assert "_inplace" in capture[:capture.index("ret")] and "call  add " not in capture[:capture.index("ret")]
+    assert f"@{cuda_graph.GRAPH_INPUTS}:" in text
+    assert _fixed_inputs(_sgd_like(), [(1, 1)]) == [1]
+
+
+def test_cuda_graphs_are_off_by_default_and_for_no_library_call(build_for_cuda):
+    assert _graph_calls(build_for_cuda(_sgd_like(), donate=[(1, 1)])) == 0
+    # PyTorch's kernels know nothing of TVM's capture: a program that would capture one keeps no graph
+    executable = build_for_cuda(_sgd_like(library=True), tvm_lowering.Options(library=True, cuda_graph=True),
+                                donate=[(1, 1)])
+    assert "ratex.lib.matmul_out" in executable.as_text() and _graph_calls(executable) == 0
+
+
+def test_lazy_training_step_captures_cuda_graphs(dev, build_for_cuda):
+    """LeNet-5's SGD step with its parameters donated, as TVM code: the kernels that read only the
+    parameters and intermediates are captured; the parameters are the graphs' fixed inputs."""
+    from ratex.core.sync import donations
+
+    model = LeNet5().to(dev)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    loss = F.nll_loss(model(torch.randn(2, 1, 28, 28).to(dev)), torch.tensor([1, 2]).to(dev))
+    loss.backward()
+    opt.step()
+    written = sync.pending_storages()
+    step = graph.cut([st.value for st in written])
+    donate = donations(step, written)
+    assert len(donate) >= 10  # the 10 parameters at least
+    mod = tvm_lowering.import_graph(graph.to_fx(step), library=False)
+    donated = []
+    executable = build_for_cuda(mod, _GRAPHS, donate, donated)
+    assert _graph_calls(executable) >= 1
+    assert _fixed_inputs(mod, donate) == sorted({i for i, _ in donated}) and len(donated) >= 5
+    lm.mark_step()
+
+
+def test_programs_capture_anew_where_a_fixed_input_moves(dev):
+    """The runtime side, on a CPU program that lists input 1 as held by its graphs: a new buffer
+    there makes a fresh VM (which would capture anew on a GPU); the same buffer keeps the VM."""
+    from tvm import relax
+
+    from ratex.core.executor import Program
+    from ratex.lazy_tensor_core.debug import metrics
+    from tvm_lowering import cuda_graph
+
+    mod = _sgd_like()
+    listed = relax.Function([], relax.ShapeExpr([1]), relax.ShapeType(ndim=1), is_pure=True)
+    mod[cuda_graph.GRAPH_INPUTS] = listed.with_attr("global_symbol", cuda_graph.GRAPH_INPUTS)
+    program = Program(tvm_lowering.build(mod, tvm_lowering.resolve_target("CPU")), mod, tvm.cpu())
+    program.empty = False
+    assert program.graph_inputs == (1,)
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    program.run([x, w])
+    vm = program.vm
+    y, _ = program.run([torch.randn(4, 8), w])  # the step's input moves: nothing to capture anew
+    assert program.vm is vm and metrics.counter_value("CudaGraphRecapture") in (None, 0)
+    moved = w.clone()
+    y, wn = program.run([x, moved])
+    assert program.vm is not vm and metrics.counter_value("CudaGraphRecapture") == 1
+    torch.testing.assert_close(wn, moved - 0.1 * torch.exp(torch.tanh(2 * moved)))
 
 
 def test_gpu_without_cuda_fails_at_first_lazy_op():

@@ -9,7 +9,7 @@ import tvm
 from tvm import relax
 
 import tvm_lowering
-from tvm_lowering import disk_cache
+from tvm_lowering import cuda_graph, disk_cache
 from .. import __version__, config, process
 from . import kernels  # noqa: F401  (registers the ratex.lib.* kernel library)
 from . import metrics, progress
@@ -30,7 +30,8 @@ class Program:
     own its buffer (see `run`).
     """
 
-    __slots__ = ("fn", "vm", "mod", "executable", "donate", "constant", "aliasing", "label", "empty", "_launcher")
+    __slots__ = ("fn", "vm", "mod", "executable", "device", "donate", "constant", "aliasing", "label", "empty",
+                 "_launcher", "graph_inputs", "_graph_at")
 
     def __init__(self, executable, mod, device, donate=(), constant=(), aliasing=False):
         """`executable`: a VMExecutable, or a runtime module loaded from the disk cache (mod None).
@@ -40,6 +41,11 @@ class Program:
         self.fn = self.vm["main"]
         self.mod = mod
         self.executable = executable
+        self.device = device
+        # The inputs whose buffers the program's CUDA graphs hold (tvm_lowering/cuda_graph.py), or None
+        graph_inputs = cuda_graph.GRAPH_INPUTS
+        self.graph_inputs = tuple(self.vm[graph_inputs]()) if self.vm.module.implements_function(graph_inputs) else None
+        self._graph_at = None  # their addresses when the graphs were captured
         self.donate = frozenset(donate)
         self.constant = tuple(constant)
         self.aliasing = aliasing
@@ -70,12 +76,26 @@ class Program:
     def run(self, inputs: list) -> list:
         """Run on device data `inputs`; return device data, one per root."""
         be = backend()
+        if self.graph_inputs is not None:
+            self._check_graph_inputs(inputs)
         outs = be.call(self.fn, inputs, self.empty)
         if self.aliasing:
             for j in self.constant:  # a folded constant: the same buffer every run; donating it would change it
                 outs[j] = be.copy(outs[j])
             _own_buffers(be, inputs, outs, self.donate)
         return outs
+
+
+    def _check_graph_inputs(self, inputs: list):
+        """Replaying a CUDA graph reads and writes the buffers it was captured with: where an input
+        it holds comes in another buffer (a parameter given new data, not updated in place), a
+        fresh VM captures the graphs anew."""
+        at = tuple(inputs[k].data_ptr() for k in self.graph_inputs)
+        if self._graph_at is not None and at != self._graph_at:
+            self.vm = relax.VirtualMachine(self.executable, self.device)
+            self.fn = self.vm["main"]
+            metrics.counter_inc("CudaGraphRecapture")
+        self._graph_at = at
 
 
 def constant_roots(graph: Graph) -> tuple:
@@ -119,9 +139,9 @@ def _own_buffers(be, inputs: list, outs: list, donate: frozenset):
 
 def compile_options(be=None) -> tvm_lowering.Options:
     """Return the compile options of the backend's target (default: the configured one) under the
-    current RATEX_KERNELS and RATEX_CPU_SCHEDULE (read now: tests change them)."""
+    current RATEX_KERNELS, RATEX_CPU_SCHEDULE and RATEX_CUDA_GRAPH (read now: tests change them)."""
     be = be if be is not None else backend()
-    return be.target.options(config.KERNELS.lower(), be.library_runs, config.CPU_SCHEDULE)
+    return be.target.options(config.KERNELS.lower(), be.library_runs, config.CPU_SCHEDULE, config.CUDA_GRAPH)
 
 
 def cache_key(graph: Graph, donate: tuple, aliasing: bool):
