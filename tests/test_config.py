@@ -38,7 +38,8 @@ print(json.dumps({
 
 
 def _run(**env):
-    return subprocess.run([sys.executable, "-c", _PROBE], cwd=ROOT, env=dict(os.environ, **env), capture_output=True,
+    env = dict(os.environ, **{"RATEX_DEVICE": "CPU", **env})  # settings are parsed alike on every target
+    return subprocess.run([sys.executable, "-c", _PROBE], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300)
 
 
@@ -73,6 +74,7 @@ def test_cuda_graphs_on_cpu_fail_at_import():
         proc.stderr[-2000:]
 
 
+@pytest.mark.cpu_only("the CPU target's options")
 def test_settings_reach_the_compile_as_options(monkeypatch):
     """RATEX_KERNELS and RATEX_CPU_SCHEDULE, read at each compile, become the target's Options."""
     cpu = resolve_target("CPU")

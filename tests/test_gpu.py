@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import tvm
+import tvm_ffi
 
 import ratex
 import ratex.lazy_tensor_core.core.lazy_model as lm
@@ -99,6 +100,62 @@ def test_scripted_attention_gelu_and_dropout_step_builds_for_cuda(dev, build_for
     executable = build_for_cuda(mod)
     assert "main" in executable.as_text()
     lm.mark_step()
+
+
+def test_full_reductions_with_an_epilogue_build_for_cuda(dev, build_for_cuda):
+    """A mean over every axis into a 0-d tensor (mse_loss's): dlight's Reduction rule raises on it
+    (block_realize check), GeneralReduction schedules it (tvm_lowering/cuda_pipeline.py)."""
+    a, b = torch.randn(3, 4).to(dev), torch.randn(3, 4).to(dev)
+    lm.mark_step()
+    loss = F.mse_loss(a, b) + a.mean(dim=[])
+    step = graph.cut([st.value for st in sync.pending_storages()])
+    assert {"mse_loss.default", "mean.dim"} <= {n.op.__name__ for n in step.nodes}
+    build_for_cuda(tvm_lowering.import_graph(graph.to_fx(step), library=False))
+    lm.mark_step()
+    assert torch.isfinite(loss.cpu())
+
+
+# ---- the GPU target's lowering, built and run on the CPU ---------------------------------------------------
+def _gpu_lowering_on_cpu(fn, *args):
+    """fn(*args)'s lazy graph lowered as for the GPU target (no host loops, its legalization
+    rules), but built for and run on the CPU: the rules' GPU-only paths, checked where no GPU is.
+    Returns the output; raises the LoweringError of an op that falls back on GPU."""
+    import dataclasses
+
+    from ratex.core.launch import resolve
+
+    lazy = [a.to(lm.lazy_device()) for a in args]
+    lm.mark_step()
+    out = fn(*lazy)
+    step = graph.cut([st.value for st in sync.pending_storages()])
+    assert len(step.roots) == 1 and out is not None
+    try:
+        mod = tvm_lowering.import_graph(graph.to_fx(step), host_kernels=False)
+    finally:
+        lm.mark_step()
+    gpu, cpu = tvm_lowering.resolve_target("GPU"), tvm_lowering.resolve_target("CPU")
+    vm = tvm.relax.VirtualMachine(tvm_lowering.build(mod, dataclasses.replace(cpu, legalize=gpu.legalize)), tvm.cpu())
+    got = vm["main"](*(resolve(node.results[i]) for node, i in step.leaves))
+    return torch.from_dlpack(got[0] if isinstance(got, (list, tuple, tvm_ffi.Array)) else got)
+
+
+@pytest.mark.parametrize("include_self", [True, False])
+def test_gpu_scatter_sums_start_from_the_input_only_with_include_self(dev, include_self):
+    """TVM's scatter_elements (the GPU path's scatter) always adds into the input: without
+    include_self the GPU path must not use it (it falls back to PyTorch there)."""
+    x = torch.arange(12.0).reshape(3, 4)
+    index, src = torch.tensor([[0, 1, 0, 2], [2, 0, 1, 1], [1, 2, 2, 0]]), torch.full((3, 4), 10.0)
+
+    def fn(x, index, src):
+        return x.scatter_reduce(0, index, src, "sum", include_self=include_self)
+
+    want = fn(x, index, src)
+    if include_self:
+        torch.testing.assert_close(_gpu_lowering_on_cpu(fn, x, index, src), want)
+    else:
+        with pytest.raises(tvm_lowering.LoweringError, match="only a CPU kernel"):
+            _gpu_lowering_on_cpu(fn, x, index, src)
+    torch.testing.assert_close(fn(x.to(dev), index.to(dev), src.to(dev)).cpu(), want)  # on this target
 
 
 # ---- CUDA graphs (RATEX_CUDA_GRAPH) ----------------------------------------------------------------------------
@@ -361,7 +418,7 @@ def _losses(device, mode, env):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU visible to TVM")
+@pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["lazy", "script"])
 def test_gpu_lenet_training_matches_cpu(mode):
     cpu = _losses("cpu", mode, dict(os.environ, RATEX_DEVICE="CPU"))
@@ -370,7 +427,7 @@ def test_gpu_lenet_training_matches_cpu(mode):
     assert gpu == pytest.approx(cpu, rel=1e-4, abs=1e-5)
 
 
-@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU visible to TVM")
+@pytest.mark.gpu
 def test_gpu_tutorial_trains():
     env = dict(os.environ, RATEX_DEVICE="GPU", ENABLE_PARAM_ALIASING="true", RATEX_PROFILE="1")
     script = os.path.join(os.path.dirname(__file__), "..", "tutorials", "lenet.py")

@@ -1,5 +1,6 @@
 """Kernel library dispatch: heavy Relax ops become ratex.lib.* calls and compute what TVM's code computes."""
 import numpy as np
+import pytest
 import tvm
 from tvm import relax
 
@@ -104,6 +105,7 @@ def test_consecutive_transposes_fold_into_one_or_none():
         np.testing.assert_array_equal(g.numpy(), w)
 
 
+@pytest.mark.cpu_only("the CPU target's threshold under RATEX_KERNELS=auto")
 def test_auto_sends_only_large_aten_products_to_the_library(tmp_path, monkeypatch):
     """On the lazy path under RATEX_KERNELS=auto, LeNet-5-at-batch-1-sized convs and matmuls are
     TVM code (results as CPU PyTorch's), a 2M multiply-add matmul calls PyTorch's kernel."""
@@ -199,7 +201,6 @@ def test_python_aten_kernel_passes_keyword_only_arguments_by_keyword():
 
 
 def test_python_aten_kernel_rejects_arguments_it_cannot_place():
-    import pytest
     import torch
 
     x = torch.randn(3)
@@ -240,8 +241,6 @@ def test_scripted_gelu_tanh_trains_with_the_python_kernels():
     import os
     import subprocess
     import sys
-
-    import pytest
 
     def losses(device):
         env = dict(os.environ, RATEX_NATIVE_KERNELS="0", RATEX_KERNELS="library", RATEX_CACHE_DIR="")
