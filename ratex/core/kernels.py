@@ -231,8 +231,9 @@ def _load_native():
               f"{_REBUILD}")
         return None
     if device_type == "cuda" and not (hasattr(lib, "RatexNativeCuda") and lib.RatexNativeCuda()):
-        print(f"ratex: not using the native kernels on GPU (built without CUDA: is the CUDA toolkit installed?); "
-              f"{_REBUILD}")
+        if torch.version.cuda is not None:  # (a torch without CUDA can't run the GPU backend at all)
+            print(f"ratex: not using the native kernels on GPU (built without CUDA: is the CUDA toolkit "
+                  f"installed?); {_REBUILD}")
         return None
     if lib.RatexRegisterNativeKernels() != 0:
         raise RuntimeError(f"registering the native kernels of {_NATIVE_PATH} failed")
