@@ -115,6 +115,28 @@ def test_full_reductions_with_an_epilogue_build_for_cuda(dev, build_for_cuda):
     assert torch.isfinite(loss.cpu())
 
 
+def test_bfloat16_infinities_and_nan_compile_for_cuda(build_for_cuda):
+    """TVM prints a bfloat16 inf as `__float2bfloat16_rn(-inff)`, which NVRTC rejects; the CUDA
+    pipeline's source hook writes it as a bit pattern (tvm_lowering/cuda_pipeline.py)."""
+    from tvm import relax
+
+    from tvm_lowering.cuda_pipeline import fix_bfloat16_constants
+
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((4, 8), "bfloat16"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            low = relax.op.maximum(x, relax.const(float("-inf"), "bfloat16"))
+            high = relax.op.where(relax.op.greater(low, relax.const(0, "bfloat16")), relax.const(float("inf"), "bfloat16"),
+                                  relax.const(float("nan"), "bfloat16"))
+            out = bb.emit_output(relax.Tuple([low, high]))
+        bb.emit_func_output(out)
+    text = "\n".join(_cuda_sources(build_for_cuda(bb.get()).mod))
+    assert "inff" not in text and "nanf" not in text and "__int_as_float(0x7f800000)" in text
+    assert fix_bfloat16_constants("__float2bfloat16_rn(-inff/*-inf*/) + __float2bfloat16_rn(0x1p+0f/*1.0e+00*/)") == \
+        "__float2bfloat16_rn(-__int_as_float(0x7f800000)) + __float2bfloat16_rn(0x1p+0f/*1.0e+00*/)"
+
+
 # ---- the GPU target's lowering, built and run on the CPU ---------------------------------------------------
 def _gpu_lowering_on_cpu(fn, *args):
     """fn(*args)'s lazy graph lowered as for the GPU target (no host loops, its legalization
