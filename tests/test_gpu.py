@@ -1,5 +1,7 @@
-"""The GPU path: the CUDA program for a training step builds on any machine (nvcc is enough);
-running it needs a GPU, so those tests skip where TVM sees none."""
+"""The GPU path, checked where no GPU is: CUDA programs (training steps, CUDA graphs) build and
+their source compiles with nvcc; the GPU backend's data exchange runs on the CPU device; the GPU
+target's lowering rules run on the CPU; the native kernels' CUDA part compiles. Running programs
+on a GPU needs one: those tests (marked `gpu`) skip where TVM sees none."""
 import json
 import os
 import shutil
@@ -17,9 +19,8 @@ import ratex.lazy_tensor_core.core.lazy_model as lm
 import tvm_lowering
 from ratex.core import graph, sync
 
+from conftest import HAS_GPU
 from models import LeNet5
-
-HAS_GPU = tvm.cuda(0).exist
 
 
 def _cuda_sources(module):
