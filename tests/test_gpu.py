@@ -274,18 +274,26 @@ def test_programs_capture_anew_where_a_fixed_input_moves(dev):
     there makes a fresh VM (which would capture anew on a GPU); the same buffer keeps the VM."""
     from tvm import relax
 
+    from types import SimpleNamespace
+
     from ratex.core.executor import Program
+    from ratex.core.launch import Pending
     from ratex.lazy_tensor_core.debug import metrics
     from tvm_lowering import cuda_graph
 
     mod = _sgd_like()
     listed = relax.Function([], relax.ShapeExpr([1]), relax.ShapeType(ndim=1), is_pure=True)
     mod[cuda_graph.GRAPH_INPUTS] = listed.with_attr("global_symbol", cuda_graph.GRAPH_INPUTS)
-    program = Program(tvm_lowering.build(mod, tvm_lowering.resolve_target("CPU")), mod, tvm.cpu())
+    program = Program(tvm_lowering.build(mod, tvm_lowering.resolve_target("CPU")), mod, tvm.cpu(), donate=[(1, 1)])
     program.empty = False
     assert program.graph_inputs == (1,)
     x, w = torch.randn(4, 8), torch.randn(8, 8)
+    assert program.may_capture([x, w])  # the first run captures: launch.py runs it alone
     program.run([x, w])
+    # Later runs capture only where w may have moved; an update of w by this program is in place
+    own, other = Pending(SimpleNamespace(program=program), 1), Pending(SimpleNamespace(program=None), 1)
+    assert not program.may_capture([torch.randn(4, 8), w]) and not program.may_capture([x, own])
+    assert program.may_capture([x, w.clone()]) and program.may_capture([x, other])
     vm = program.vm
     y, _ = program.run([torch.randn(4, 8), w])  # the step's input moves: nothing to capture anew
     assert program.vm is vm and metrics.counter_value("CudaGraphRecapture") in (None, 0)

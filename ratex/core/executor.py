@@ -15,6 +15,7 @@ from . import kernels  # noqa: F401  (registers the ratex.lib.* kernel library)
 from . import metrics, progress
 from .device import backend
 from .graph import Graph, to_fx
+from .launch import Pending
 
 # The process's compiled programs: in memory, then in RATEX_CACHE_DIR (see `_attach`).
 CACHE = tvm_lowering.CompileCache()
@@ -85,7 +86,6 @@ class Program:
             _own_buffers(be, inputs, outs, self.donate)
         return outs
 
-
     def _check_graph_inputs(self, inputs: list):
         """Replaying a CUDA graph reads and writes the buffers it was captured with: where an input
         it holds comes in another buffer (a parameter given new data, not updated in place), a
@@ -96,6 +96,28 @@ class Program:
             self.fn = self.vm["main"]
             metrics.counter_inc("CudaGraphRecapture")
         self._graph_at = at
+
+    def may_capture(self, inputs: list) -> bool:
+        """Whether a run on `inputs` (device data or Pendings) may capture CUDA graphs: the first
+        run, or one whose held inputs are not known to be where the graphs hold them. TVM captures
+        in global mode on a stream that syncs with the legacy default stream, so nothing else may
+        touch the device meanwhile (launch.py runs such a run alone)."""
+        if self.graph_inputs is None:
+            return False
+        if self._graph_at is None:
+            return True
+        updates = dict(self.donate)  # input -> the output written into its buffer
+        for k, at in zip(self.graph_inputs, self._graph_at):
+            x = inputs[k]
+            if type(x) is Pending:
+                if x.job is not None and x.job.program is self and updates.get(k) == x.index:
+                    continue  # this program's own in-place update of input k: the buffer it was given
+                if x.job is not None:
+                    return True  # another program's output, not made yet
+                x = x.data
+            if x.data_ptr() != at:
+                return True
+        return False
 
 
 def constant_roots(graph: Graph) -> tuple:
