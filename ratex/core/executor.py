@@ -9,13 +9,14 @@ import tvm
 from tvm import relax
 
 import tvm_lowering
-from tvm_lowering import cuda_graph, disk_cache
+from tvm_lowering.cuda_graph import GRAPH_INPUTS
+from tvm_lowering import disk_cache
 from .. import __version__, config, process
 from . import kernels  # noqa: F401  (registers the ratex.lib.* kernel library)
 from . import metrics, progress
 from .device import backend
-from .graph import Graph, to_fx
 from .launch import Pending
+from .graph import Graph, to_fx
 
 # The process's compiled programs: in memory, then in RATEX_CACHE_DIR (see `_attach`).
 CACHE = tvm_lowering.CompileCache()
@@ -44,8 +45,7 @@ class Program:
         self.executable = executable
         self.device = device
         # The inputs whose buffers the program's CUDA graphs hold (tvm_lowering/cuda_graph.py), or None
-        graph_inputs = cuda_graph.GRAPH_INPUTS
-        self.graph_inputs = tuple(self.vm[graph_inputs]()) if self.vm.module.implements_function(graph_inputs) else None
+        self.graph_inputs = tuple(self.vm[GRAPH_INPUTS]()) if self.vm.module.implements_function(GRAPH_INPUTS) else None
         self._graph_at = None  # their addresses when the graphs were captured
         self.donate = frozenset(donate)
         self.constant = tuple(constant)
