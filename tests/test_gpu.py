@@ -444,8 +444,11 @@ print(json.dumps(losses))
 """.format(tests=os.path.dirname(os.path.abspath(__file__)))
 
 
-def _losses(device, mode, env):
-    proc = subprocess.run([sys.executable, "-c", _TRAIN, device, mode], env=env, capture_output=True, text=True)
+def _losses(script, *argv, **env):
+    """The losses the training `script` prints, run with `argv` in a process of its own whose
+    environment is this one's updated with `env`."""
+    proc = subprocess.run([sys.executable, "-c", script, *argv], env=dict(os.environ, **env), capture_output=True,
+                          text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -453,8 +456,8 @@ def _losses(device, mode, env):
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["lazy", "script"])
 def test_gpu_lenet_training_matches_cpu(mode):
-    cpu = _losses("cpu", mode, dict(os.environ, RATEX_DEVICE="CPU"))
-    gpu = _losses("lazy", mode, dict(os.environ, RATEX_DEVICE="GPU", ENABLE_PARAM_ALIASING="true"))
+    cpu = _losses(_TRAIN, "cpu", mode, RATEX_DEVICE="CPU")
+    gpu = _losses(_TRAIN, "lazy", mode, RATEX_DEVICE="GPU", ENABLE_PARAM_ALIASING="true")
     assert len(gpu) == 6 and gpu[-1] < gpu[0]  # it trains
     assert gpu == pytest.approx(cpu, rel=1e-4, abs=1e-5)
 
@@ -472,9 +475,10 @@ def test_gpu_tutorial_trains():
 @pytest.mark.gpu
 def test_gpu_lenet_training_with_cuda_graphs_matches_cpu():
     """RATEX_CUDA_GRAPH with TVM's kernels (graphs are for programs without library calls)."""
-    cpu = _losses("cpu", "lazy", dict(os.environ, RATEX_DEVICE="CPU"))
-    env = dict(os.environ, RATEX_DEVICE="GPU", ENABLE_PARAM_ALIASING="true", RATEX_CUDA_GRAPH="1", RATEX_KERNELS="tvm")
-    assert _losses("lazy", "lazy", env) == pytest.approx(cpu, rel=1e-4, abs=1e-5)
+    cpu = _losses(_TRAIN, "cpu", "lazy", RATEX_DEVICE="CPU")
+    gpu = _losses(_TRAIN, "lazy", "lazy", RATEX_DEVICE="GPU", ENABLE_PARAM_ALIASING="true", RATEX_CUDA_GRAPH="1",
+                  RATEX_KERNELS="tvm")
+    assert gpu == pytest.approx(cpu, rel=1e-4, abs=1e-5)
 
 
 @pytest.mark.gpu
@@ -496,15 +500,9 @@ def test_gpu_scripted_gelu_tanh_trains_like_cpu(native):
     built, and the Python ones."""
     from test_library import _GELU_STEPS
 
-    def losses(device, env):
-        proc = subprocess.run([sys.executable, "-c", _GELU_STEPS, device], env=dict(os.environ, **env),
-                              capture_output=True, text=True)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        return json.loads(proc.stdout.strip().splitlines()[-1])
-
-    want = losses("cpu", {"RATEX_DEVICE": "CPU"})
-    env = {"RATEX_DEVICE": "GPU", "RATEX_KERNELS": "library", "RATEX_NATIVE_KERNELS": native}
-    assert losses("lazy", env) == pytest.approx(want, rel=1e-4, abs=1e-6)
+    want = _losses(_GELU_STEPS, "cpu", RATEX_DEVICE="CPU")
+    got = _losses(_GELU_STEPS, "lazy", RATEX_DEVICE="GPU", RATEX_KERNELS="library", RATEX_NATIVE_KERNELS=native)
+    assert got == pytest.approx(want, rel=1e-4, abs=1e-6)
 
 
 # A tiny transformers T5 trained for 4 AdamW steps on sys.argv[1] ("cpu" or "lazy"), with padding in its
@@ -542,14 +540,6 @@ def test_gpu_tiny_t5_trains_like_cpu():
     magnifies rounding on near-zero gradients, hence the loose tolerance: the point is finite losses
     that follow eager's."""
     pytest.importorskip("transformers")
-
-    def losses(device, env):
-        proc = subprocess.run([sys.executable, "-c", _T5, device], env=dict(os.environ, **env),
-                              capture_output=True, text=True)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        return json.loads(proc.stdout.strip().splitlines()[-1])
-
-    want = losses("cpu", {"RATEX_DEVICE": "CPU"})
-    got = losses("lazy", {"RATEX_DEVICE": "GPU"})
+    want, got = _losses(_T5, "cpu", RATEX_DEVICE="CPU"), _losses(_T5, "lazy", RATEX_DEVICE="GPU")
     assert all(map(math.isfinite, got)), got
     assert got == pytest.approx(want, rel=1e-2)
