@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from rule_check import check, rnd
 
-pytestmark = pytest.mark.usefixtures("seeded", "tvm_kernels")
+pytestmark = [pytest.mark.usefixtures("seeded", "tvm_kernels"), pytest.mark.cpu_only("ratex's CPU schedules")]
 
 
 @pytest.mark.parametrize("shape,dims", [((64, 48), [0]), ((5, 3, 32), [0, 1]), ((4, 7, 16, 3), [0, 3]), ((33, 10), [1]),

@@ -314,8 +314,9 @@ def scatter_into(imp, x, axis, index, src, reduce, include_self=True):
     src = cast(imp, src, dtype(x))
     off_axis = [n for d, n in enumerate(xs) if d != axis]
     spans_x = off_axis == [n for d, n in enumerate(ishape) if d != axis]
-    if not imp.host_kernels and reduce in ("update", "sum") and spans_x:
-        # TVM's scatter_elements has a GPU kernel, and is right where index spans x off the axis.
+    if not imp.host_kernels and (reduce == "update" or reduce == "sum" and include_self) and spans_x:
+        # TVM's scatter_elements has a GPU kernel, and is right where index spans x off the axis
+        # (its sum always starts from x: include_self=False goes the host loops' way, so falls back).
         if shape(src) != ishape:
             src = emit(imp, relax.op.strided_slice(src, list(range(len(ishape))), [0] * len(ishape), ishape))
         reduction = "add" if reduce == "sum" else "update"
