@@ -372,13 +372,7 @@ def check_entry(op, phase, max_samples=DEFAULT_MAX_SAMPLES, device=None, seed=0)
                               where=_where(e))
                 break
             checked += 1
-            fallbacks.update(info["fallbacks"])
-            notes.update(info["notes"])
-            result["metadata_only"] |= info["metadata_only"]
-            if status == "fallback" and result["status"] != "fail":
-                result["status"] = "fallback"
-            elif result["status"] == "skip":
-                result["status"] = "pass"
+            _count_sample(result, status, info, fallbacks, notes)
         result["samples"] = checked
         result["fallbacks"] = sorted(fallbacks)
         result["notes"] = sorted(notes)[:5]
@@ -388,6 +382,17 @@ def check_entry(op, phase, max_samples=DEFAULT_MAX_SAMPLES, device=None, seed=0)
         result.update(status="skip", skip_reason="sample_inputs: " + _short(e))
         _flush()
     return result
+
+
+def _count_sample(result, status, info, fallbacks, notes):
+    """Fold one checked sample (its status, fallback counters and notes) into its entry's result."""
+    fallbacks.update(info["fallbacks"])
+    notes.update(info["notes"])
+    result["metadata_only"] |= info["metadata_only"]
+    if status == "fallback" and result["status"] != "fail":
+        result["status"] = "fallback"
+    elif result["status"] == "skip":
+        result["status"] = "pass"
 
 
 def _where(exc):
@@ -612,13 +617,7 @@ def check_module(info, phase, max_samples=DEFAULT_MAX_SAMPLES, device=None, seed
             _flush()
             break
         result["samples"] += 1
-        fallbacks.update(found["fallbacks"])
-        notes.update(found["notes"])
-        result["metadata_only"] |= found["metadata_only"]
-        if status == "fallback" and result["status"] != "fail":
-            result["status"] = "fallback"
-        elif result["status"] == "skip":
-            result["status"] = "pass"
+        _count_sample(result, status, found, fallbacks, notes)
     result["fallbacks"] = sorted(fallbacks)
     result["notes"] = sorted(notes)[:5]
     return result
