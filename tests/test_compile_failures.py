@@ -1,12 +1,17 @@
-"""A graph that fails to compile: the failing node is found in few compiles, remembered across shapes."""
+"""Compiling, when it goes wrong or talks: a graph that fails to compile has its failing node found
+in few compiles and remembered across shapes; TVM's warnings go to the "ratex" logger, not stderr."""
+import logging
 import math
+import os
+import sys
+import threading
 import warnings
 
 import pytest
 import torch
 
 import ratex.lazy_tensor_core.core.lazy_model as lm
-from ratex.core import executor
+from ratex.core import executor, tvm_log
 from ratex.core.tracing import eager
 from ratex.lazy_tensor_core.debug import metrics
 
@@ -69,3 +74,36 @@ def test_a_remembered_failure_keeps_to_its_op_arguments_and_dtypes(dev, sin_fail
     got = torch.sin(x.to(dev) + 1)  # another dtype: not known to fail, so it is compiled (and fails) again
     torch.testing.assert_close(got.cpu(), torch.sin(x + 1))
     assert metrics.counter_value("FailedCompile") >= 1
+
+
+def test_tvm_compile_warnings_go_to_the_ratex_logger_not_stderr(dev, capfd, caplog):
+    caplog.set_level(logging.DEBUG, logger="ratex")
+    x = torch.arange(39.0).reshape(13, 3)
+    index = torch.tensor([12, 0, 5])
+    got = x.to(dev).index_select(0, index.to(dev)) * 3  # TVM's take warns that fast mode trusts its indices
+    torch.testing.assert_close(got.cpu(), x.index_select(0, index) * 3)
+    assert metrics.counter_value("UncachedCompile")
+    assert capfd.readouterr().err == ""
+    assert any("Fast mode segfaults" in r.getMessage() and r.levelno == logging.DEBUG for r in caplog.records), \
+        [r.getMessage() for r in caplog.records]
+
+
+def test_other_output_during_a_compile_still_reaches_stderr_and_errors_still_raise(capfd, caplog):
+    caplog.set_level(logging.DEBUG, logger="ratex")
+    tvm_line = b"[01:02:03] /project/src/relax/ir/block_builder.cc:67: Warning: BlockBuilder destroyed\n"
+    with pytest.raises(RuntimeError, match="a real error"):
+        with tvm_log.captured():
+            with tvm_log.captured():  # nested: one capture
+                os.write(2, tvm_line)
+                worker = threading.Thread(target=os.write, args=(2, b"a thread's line\n"))
+                worker.start()
+                worker.join()
+                os.write(2, b"unfinished ")  # a line left open when the compile ends
+                print("python's stderr", file=sys.stderr)
+            raise RuntimeError("a real error")
+    err = capfd.readouterr().err
+    assert "a thread's line\n" in err and "unfinished \n" in err and "python's stderr\n" in err, err
+    assert "BlockBuilder" not in err, err
+    assert [r.getMessage() for r in caplog.records if "BlockBuilder" in r.getMessage()]
+    os.write(2, b"after\n")  # stderr is itself again
+    assert capfd.readouterr().err == "after\n"
