@@ -35,9 +35,32 @@ def execute(values: list, written=()):
     _depth += 1
     try:
         with metrics.span("Sync"):
-            return _execute(values, written, aliasing)
+            if written:
+                return _execute(values, written, aliasing)
+            return _read(values, aliasing)
     finally:
         _depth -= 1
+
+
+def _read(values: list, aliasing: bool):
+    """Compute `values`, read before mark_step, together with the new values of tensors written
+    in place that they are computed from, and keep both.
+
+    Those values are computed anyway; kept, the next read starts from them. Dropped, every
+    read would compute again the whole chain of writes since the last mark_step: a loop
+    that writes parameters and reads a loss from them (LBFGS's line search, its closure
+    evaluated a few times a step) compiles a new, longer graph at every read."""
+    written = [st for st in storage.pending_storages() if st.version]
+    roots = [v for v in values if v[0].results[v[1]] is None]
+    if written and roots:
+        inside = frozenset(cut(roots).nodes)
+        written = [st for st in written if st.value[0] in inside]
+        if written:
+            _execute(values + [st.value for st in written], (), aliasing)
+            for st in written:
+                st.rebind()
+            return
+    _execute(values, (), aliasing)
 
 
 def donations(graph, written) -> tuple:
