@@ -35,26 +35,35 @@ _state = None  # while captured: what `_stop` needs to put stderr back
 
 
 def _forward(read_fd: int, real_fd: int, marker: bytes, drained: threading.Event):
-    """Read the pipe to its end: TVM's lines to the logger, others to `real_fd`, `drained` set
-    when `marker` comes through (what was written before it is handled)."""
-    rest = b""
-    with os.fdopen(read_fd, "rb", buffering=0) as pipe:
-        while chunk := pipe.read(65536):
-            lines = (rest + chunk).split(b"\n")
-            rest = lines.pop()
-            for line in lines:
-                if line.endswith(marker):  # after a line another thread left unfinished, perhaps
-                    if len(line) > len(marker):
-                        os.write(real_fd, line[:-len(marker)] + b"\n")
-                    drained.set()
-                elif _TVM_LINE.match(line):
-                    logger.debug("tvm: %s", line.decode(errors="replace"))
-                else:
-                    os.write(real_fd, line + b"\n")
-    if rest:
-        os.write(real_fd, rest)
-    os.close(real_fd)
-    drained.set()
+    """Read the pipe to its end: TVM's lines to the logger, all other bytes to `real_fd` as they
+    come; `drained` set when `marker` comes through (what was written before it is handled)
+    or the reading ends."""
+    buf, passing = b"", False  # passing: the current line is not TVM's and went on already
+    real = os.fdopen(real_fd, "wb")  # buffered: it writes all it is given
+    try:
+        with os.fdopen(read_fd, "rb", buffering=0) as pipe:
+            while chunk := pipe.read(65536):
+                buf += chunk
+                while (end := buf.find(b"\n")) >= 0:
+                    line, buf = buf[:end], buf[end + 1:]
+                    if line.endswith(marker):  # perhaps after a line another thread left unfinished
+                        real.write(line[:-len(marker)])
+                        real.flush()
+                        drained.set()
+                    elif not passing and _TVM_LINE.match(line):
+                        logger.debug("tvm: %s", line.decode(errors="replace"))
+                    else:
+                        real.write(line + b"\n")
+                        passing = False
+                if buf and (passing or buf[:1] not in (b"[", b"\0")):
+                    # Not TVM's: on at once (a progress bar redraws its line, never ending it).
+                    real.write(buf)
+                    buf, passing = b"", True
+                real.flush()
+        real.write(buf)
+    finally:
+        real.close()
+        drained.set()
 
 
 def _start():
