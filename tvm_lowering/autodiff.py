@@ -291,11 +291,16 @@ def vjp(fwd: relax.Function, diff: list, n_outs: int) -> relax.Function:
     with bb.function("bwd", params + grads):
         with bb.dataflow():
             outs = inline(bb, fwd, params)
+            # The outputs by their own variables where fwd's result is a tuple literal: then the
+            # tuple, and what only it reads (new buffers, index checks), is unused here.
+            bound = bb.lookup_binding(outs) if isinstance(outs, relax.Var) else outs
+            if isinstance(bound, relax.Tuple):
+                outs = bound
             total = None
             for i, (g, ty) in enumerate(zip(grads, out_tys)):
                 if not str(ty.dtype).startswith(("float", "bfloat")):
                     continue
-                o = bb.emit(relax.TupleGetItem(outs, i))
+                o = outs.fields[i] if isinstance(outs, relax.Tuple) else bb.emit(relax.TupleGetItem(outs, i))
                 s = bb.emit(op.sum(op.multiply(o, g)))
                 if str(ty.dtype) != "float32":
                     s = bb.emit(op.astype(s, "float32"))
@@ -305,5 +310,8 @@ def vjp(fwd: relax.Function, diff: list, n_outs: int) -> relax.Function:
             result = bb.emit_output(total)
         bb.emit_func_output(result)
     mod = bb.get()
+    # What the loss does not read goes first: the forward's index checks (ops/bounds.py) are
+    # reductions without gradient rules, and Gradient refuses any op it meets without one.
+    mod["bwd"] = relax.analysis.remove_all_unused(mod["bwd"])
     mod = relax.transform.Gradient("bwd", require_grads=[params[i] for i in diff])(mod)
     return mod["bwd_adjoint"]
