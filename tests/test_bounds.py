@@ -12,7 +12,6 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 import time
 import warnings
 
@@ -23,8 +22,10 @@ from torch import nn
 
 import ratex
 import ratex.lazy_tensor_core.core.lazy_model as lm
-from ratex.core import launch
+import tvm_lowering
+from ratex.core import graph, launch
 from ratex.lazy_tensor_core.debug import metrics
+from test_gpu import build_for_cuda  # noqa: F401  (a fixture)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -303,3 +304,19 @@ def test_indices_far_out_of_range_raise_without_touching_memory(front_end, tmp_p
     for key, message in report.items():
         bad = key.rsplit(" ", 1)[1]
         assert f"index {bad} is out of bounds" in message, (key, message)
+
+
+def test_a_checked_step_builds_for_cuda(dev, build_for_cuda):
+    """Clamped accesses and check rows build as CUDA kernels too (running them needs a GPU)."""
+    x, w, b = (t.to(dev) for t in _state())
+    w.requires_grad_()
+    outs = ops(x, w, b, indices(device=dev))
+    _loss(outs).backward()
+    step = graph.cut([o._value() for o in outs.values()] + [w.grad._value()])
+    assert {"embedding_dense_backward.default", "index_put.default"} <= {n.op.__name__ for n in step.nodes}
+    checks = []
+    mod = tvm_lowering.import_graph(graph.to_fx(step), library=False, checks=checks)
+    assert len(mod["main"].ret_ty.fields) == len(step.roots) + 1  # the check rows after the roots
+    assert len(checks) >= len(NAMES)
+    build_for_cuda(mod)
+    lm.mark_step()  # leave nothing pending for other tests
