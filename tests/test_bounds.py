@@ -320,3 +320,21 @@ def test_a_checked_step_builds_for_cuda(dev, build_for_cuda):
     assert len(checks) >= len(NAMES)
     build_for_cuda(mod)
     lm.mark_step()  # leave nothing pending for other tests
+
+
+def test_torch_compile_raises_index_error_at_the_call():
+    """torch.compile(backend='ratex') runs its programs at the call, where PyTorch raises too."""
+    x, w, b = _state()
+
+    def fn(x, w, b, idx):
+        outs = ops(x, w, b, dict(zip(NAMES, idx)))
+        outs.pop("nll_loss")  # the same ops as on the lazy path, whose loss is separate
+        return tuple(outs.values())
+
+    compiled = torch.compile(fn, backend="ratex", dynamic=False)
+    good = indices()
+    torch.testing.assert_close(compiled(x, w, b, tuple(good.values())), fn(x, w, b, tuple(good.values())))
+    for name in ("embedding", "gather", "index", "put"):
+        for bad in overruns(name)[0]:
+            with pytest.raises(IndexError, match=f"index {bad} is out of bounds .* in {CASES[name][3]}"):
+                compiled(x, w, b, tuple(indices(name, bad).values()))

@@ -21,15 +21,21 @@ def violation(rows, nodes) -> str:
     """The message for the first check in `rows` (a program's check output, device data) whose
     indices were out of range, naming its op among `nodes` (the graph's nodes, by position);
     None where every index was in range."""
-    v = backend().view_cpu(rows).numpy()
-    bad = (v[:, 5] >= v[:, 4]) | (~v[:, 6] < v[:, 3])
+    return message(backend().view_cpu(rows).numpy(), lambda site, sub: _describe(nodes, site, sub))
+
+
+def message(rows, describe) -> str:
+    """The message for the first check in `rows` (check rows as a numpy array) whose indices were
+    out of range, its op and the user's line named by `describe(site, sub)`; None where every
+    index was in range."""
+    bad = (rows[:, 5] >= rows[:, 4]) | (~rows[:, 6] < rows[:, 3])
     if not bad.any():
         return None
-    site, sub, dim, low, high, largest, smallest = (int(x) for x in v[int(bad.argmax())])
+    site, sub, dim, low, high, largest, smallest = (int(x) for x in rows[int(bad.argmax())])
     smallest = ~smallest
     worst = largest if largest >= high else smallest
     where = f"dimension {dim} with size {high}" if dim >= 0 else f"a tensor of {high} elements"
-    op, line = _describe(nodes, site, sub)
+    op, line = describe(site, sub)
     return (
         f"index out of range in self: index {worst} is out of bounds for {where} in {op} "
         f"(its indices range from {smallest} to {largest}; valid are {low} to {high - 1}), {line}"
@@ -47,7 +53,7 @@ def _describe(nodes, site, sub) -> tuple:
         return f"{op} in the forward of ratex.jit.script", f"at {_user_frame(source)}"
     if node.origin:
         return str(node.op), f"recorded at {node.origin[-1]}"
-    return str(node.op), "recorded at a line that RATEX_SAVE_IR=<file> would name"
+    return str(node.op), "recorded at a line of yours that setting RATEX_SAVE_IR=<file> names"
 
 
 _INTERNAL = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep
