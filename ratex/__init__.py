@@ -21,6 +21,6 @@ from . import debug, profiler  # noqa: E402,F401  (ratex.profiler.Profiler, RATE
 from .dynamo import compile  # noqa: E402  (torch.compile(backend="ratex"); registers the backend)
 from .version import __version__  # noqa: E402
 
-process.drive_torch_lazy(lazy_model.mark_step, lazy_model.wait_device_ops)
+process.drive_torch_lazy(lazy_model, metrics)
 
 __all__ = ["LazyTensor", "compile", "is_lazy", "jit", "lazy_model", "metrics", "__version__"]

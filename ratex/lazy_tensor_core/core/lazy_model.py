@@ -1,4 +1,4 @@
-"""The lazy device's model API, as in Ratex and torch._lazy."""
+"""The lazy device's model API, as in Ratex, torch._lazy and torch_xla's xla_model."""
 import torch
 
 from ...core import sync
@@ -33,5 +33,12 @@ def is_lazy_tensor(t) -> bool:
     return is_lazy(t)
 
 
-__all__ = ["lazy_device", "mark_step", "add_step_closure", "wait_device_ops", "is_lazy_tensor"]
+def sync_tensors(tensors):
+    """Compute the pending values of the lazy tensors in `tensors` (any iterable; other objects
+    are skipped) in one program, as torch._lazy.sync_multi; returns None."""
+    values = [t._value() for t in tensors if is_lazy(t)]
+    if values:
+        sync.execute(values)
 
+
+__all__ = ["lazy_device", "mark_step", "add_step_closure", "wait_device_ops", "is_lazy_tensor", "sync_tensors"]
