@@ -77,5 +77,22 @@ def save(data, file_or_path):
     torch.save(to_cpu(data), file_or_path)
 
 
+def reduce_gradients(optimizer):
+    """Sum the gradients of `optimizer`'s parameters across replicas; returns None. One lazy
+    device has no replicas: this is where the all-reduce of distributed training goes."""
+    return None
+
+
+def optimizer_step(optimizer, barrier: bool = False, optimizer_args=None):
+    """Run `optimizer.step(**optimizer_args)` after reducing gradients across replicas, and
+    `mark_step()` after it where `barrier` (a DeviceLoader marks steps itself); return what
+    step returned, as torch_xla's xm.optimizer_step."""
+    reduce_gradients(optimizer)
+    loss = optimizer.step(**(optimizer_args or {}))
+    if barrier:
+        mark_step()
+    return loss
+
+
 __all__ = ["lazy_device", "mark_step", "add_step_closure", "wait_device_ops", "is_lazy_tensor", "sync_tensors",
-           "to_cpu", "save"]
+           "to_cpu", "save", "optimizer_step", "reduce_gradients"]
