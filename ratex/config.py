@@ -103,11 +103,6 @@ CACHE_DIR = _cache_dir()  # None: no persistent compile cache
 CACHE_SIZE_MB = _count("RATEX_CACHE_SIZE_MB", 1024)
 TUNE = _tune_trials()  # 0: apply existing tuning records only
 
-# ---- precision ------------------------------------------------------------------------------
-# float32 tensors are stored and computed as bfloat16 on the device, and read back as float32
-# (the LTC document's LTC_USE_BF16, accepted as an alias).
-USE_BF16 = _flag("RATEX_USE_BF16", False) if "RATEX_USE_BF16" in os.environ else _flag("LTC_USE_BF16", False)
-
 # ---- debugging ------------------------------------------------------------------------------
 PROFILE = _flag("RATEX_PROFILE", False)
 SAVE_IR = os.environ.get("RATEX_SAVE_IR") or None
