@@ -14,6 +14,8 @@ the model's own, then the new values of the buffers the forward writes. Each cal
 - scaled_dot_product_attention with a mask or dropout becomes matmul, softmax, matmul, the
   way PyTorch's math kernel computes it (a fully masked row gives 0, not NaN);
 - `aten::to` is a cast or nothing (a program's tensors share one device);
+- export's functional writes through views: `fill.Tensor` and `copy` are the value broadcast
+  to the shape, `select_scatter` and `slice_scatter` the slices around the source, concatenated;
 - a multi-layer RNN with dropout between layers becomes one call per layer, dropout between.
 """
 import operator
@@ -161,7 +163,50 @@ class Builder:
             return self._attention(**bind(op, args, kwargs))
         if op in _RNNS:
             return self._rnn(op, args, kwargs)
+        if op in (aten.fill.Tensor, aten.copy.default):
+            return self._broadcast_to_self(op, args, kwargs)
+        if op in (aten.select_scatter.default, aten.slice_scatter.default):
+            return self._scatter(op, args, kwargs)
         return self.emit(op, args, kwargs)
+
+    def _broadcast_to_self(self, op, args, kwargs):
+        """fill(x, v) and copy(x, src), functional: the value in x's dtype, broadcast to x's shape."""
+        a = bind(op, args, kwargs)
+        x = _val(a["self"])
+        value = self._to(aten.to.dtype, [a["value" if op is aten.fill.Tensor else "src"], x.dtype], {})
+        if tuple(_val(value).shape) == tuple(x.shape):
+            return value
+        return self.emit(aten.expand.default, [value, list(x.shape)])
+
+    def _scatter(self, op, args, kwargs):
+        """select_scatter / slice_scatter with step 1 as the slices around `src`, concatenated.
+
+        TVM has no Relax op for them with a gradient (ratex's rules are TIR kernels).
+        """
+        a = bind(op, args, kwargs)
+        x, src, dim = a["self"], a["src"], a["dim"]
+        shape = _val(x).shape
+        dim = dim % len(shape)
+        n = shape[dim]
+        if op is aten.select_scatter.default:
+            start = a["index"] + n if a["index"] < 0 else a["index"]
+            end, src = start + 1, self.emit(aten.unsqueeze.default, [src, dim])
+        else:
+            if a["step"] != 1:
+                return self.emit(op, args, kwargs)
+            start, end = a["start"], a["end"]
+            start = 0 if start is None else (start + n if start < 0 else min(start, n))
+            end = n if end is None else (end + n if end < 0 else min(end, n))
+            end = max(end, start)
+        if isinstance(src, torch.Tensor):
+            src = self.const(src)
+        parts = []
+        if start > 0:
+            parts.append(self.emit(aten.slice.Tensor, [x, dim, 0, start]))
+        parts.append(self._to(aten.to.dtype, [src, _val(x).dtype], {}))
+        if end < n:
+            parts.append(self.emit(aten.slice.Tensor, [x, dim, end, n]))
+        return parts[0] if len(parts) == 1 else self.emit(aten.cat.default, [parts, dim])
 
     def emit(self, op, args, kwargs=None):
         """Record `op(*args, **kwargs)` as it is, with its metas; tensors in the arguments become constants."""
