@@ -1,7 +1,7 @@
 """A script's forward as an fx graph of ATen ops, built call by call, and the `Script` it converts to.
 
-Three producers build forwards here: the TorchScript converter (torchscript.py), the
-torch.export converter (exported.py), and the lazy device's one-node RNN calls. `Builder`
+Two producers build forwards here: the TorchScript converter (torchscript.py) and the
+torch.export converter (exported.py). `Builder`
 gives them one graph shape, the one `Script` promises: placeholders in the order inputs,
 attributes (parameters and buffers, by dotted path), constants, dropout keep-masks; outputs
 the model's own, then the new values of the buffers the forward writes. Each call gets its
@@ -16,7 +16,7 @@ the model's own, then the new values of the buffers the forward writes. Each cal
 - `aten::to` is a cast or nothing (a program's tensors share one device);
 - export's functional writes through views: `fill.Tensor` and `copy` are the value broadcast
   to the shape, `select_scatter` and `slice_scatter` the slices around the source, concatenated;
-- a multi-layer RNN with dropout between layers becomes one call per layer, dropout between.
+- LSTM, GRU and RNN calls are unrolled over their (static) time steps into the cell's ATen ops.
 """
 import operator
 import threading
@@ -330,28 +330,87 @@ class Builder:
         return self.emit(aten.scalar_tensor.default, [value], {"dtype": dtype})
 
     def _rnn(self, op, args, kwargs):
-        """An RNN call; with dropout between layers in training, one call per layer with dropout between."""
+        """An RNN (LSTM, GRU, tanh/relu RNN) unrolled over its time steps into ATen ops that Relax
+        differentiates: per layer and direction one input projection for all steps, then per step
+        the hidden projection and the cell's gates. Dropout between layers in training as `dropout`.
+        """
         a = bind(op, args, kwargs)
-        layers, p, train = a["num_layers"], a["dropout"], a["train"]
-        if not (train and p > 0 and layers > 1):
-            return self.emit(op, args, kwargs)
         lstm = op is aten.lstm.input
-        dirs = 2 if a["bidirectional"] else 1
+        layers, p, train, bidir = a["num_layers"], float(a["dropout"]), a["train"], a["bidirectional"]
+        dirs = 2 if bidir else 1
         params = list(a["params"])
-        per = len(params) // (layers * dirs)
+        per = 4 if a["has_biases"] else 2
+        if len(params) != layers * dirs * per:
+            raise ConversionError(f"{op} with {len(params)} weights for {layers} layers (proj_size is not supported)")
+        e = self.emit
+        x = a["input"]
+        if isinstance(x, torch.Tensor):
+            x = self.const(x)
+        batched = _val(x).dim() == 3
+        if not batched:
+            x = e(aten.unsqueeze.default, [x, 0 if a["batch_first"] else 1])
+        if a["batch_first"]:
+            x = e(aten.transpose.int, [x, 0, 1])  # time-major inside
         hx = list(a["hx"]) if lstm else [a["hx"]]
-        x, finals = a["input"], [[] for _ in hx]
+        hx = [self.const(h) if isinstance(h, torch.Tensor) else h for h in hx]
+        if not batched:
+            hx = [e(aten.unsqueeze.default, [h, 1]) for h in hx]
+        steps = _val(x).shape[0]
+        finals = [[] for _ in hx]
         for layer in range(layers):
-            if layer:
-                x = self.dropout(x, float(p))
-            h0 = [self.emit(aten.slice.Tensor, [h, 0, layer * dirs, (layer + 1) * dirs]) for h in hx]
-            layer_args = [x, h0 if lstm else h0[0], params[layer * dirs * per:(layer + 1) * dirs * per],
-                          a["has_biases"], 1, 0.0, train, a["bidirectional"], a["batch_first"]]
-            out = self.emit(op, layer_args)
-            x = out[0]
-            for f, h in zip(finals, out[1:]):
-                f.append(h)
-        return (x, *[self.emit(aten.cat.default, [f, 0]) for f in finals])
+            if layer and train and p > 0:
+                x = self.dropout(x, p)
+            outs = []
+            for d in range(dirs):
+                k = layer * dirs + d
+                w_ih, w_hh = params[k * per], params[k * per + 1]
+                b_ih, b_hh = (params[k * per + 2], params[k * per + 3]) if per == 4 else (None, None)
+                state = [e(aten.select.int, [h, 0, k]) for h in hx]
+                xw = e(aten.linear.default, [x, w_ih, b_ih])
+                ys = [None] * steps
+                for t in (reversed(range(steps)) if d else range(steps)):
+                    gi = e(aten.select.int, [xw, 0, t])
+                    gh = e(aten.linear.default, [state[0], w_hh, b_hh])
+                    state = self._cell(op, gi, gh, state)
+                    ys[t] = state[0]
+                outs.append(self._stack(ys))
+                for f, h in zip(finals, state):
+                    f.append(h)
+            x = outs[0] if dirs == 1 else e(aten.cat.default, [outs, -1])
+        if a["batch_first"]:
+            x = e(aten.transpose.int, [x, 0, 1])
+        finals = [self._stack(f) for f in finals]
+        if not batched:
+            x = e(aten.squeeze.dim, [x, 0 if a["batch_first"] else 1])
+            finals = [e(aten.squeeze.dim, [h, 1]) for h in finals]
+        return (x, *finals)
+
+    def _stack(self, xs):
+        """stack(xs, 0) as unsqueeze and cat: Relax's Gradient has no rule for stack."""
+        return self.emit(aten.cat.default, [[self.emit(aten.unsqueeze.default, [x, 0]) for x in xs], 0])
+
+    def _cell(self, op, gi, gh, state):
+        """One time step of `op`'s cell: the new state ([h] or [h, c]) from the gates' input and
+        hidden projections, PyTorch's formulas and gate order."""
+        e = self.emit
+
+        def gate(g, k, n):
+            size = _val(g).shape[-1] // n
+            return e(aten.slice.Tensor, [g, -1, k * size, (k + 1) * size])
+
+        if op is aten.lstm.input:
+            gates = e(aten.add.Tensor, [gi, gh])
+            i, f, o = (e(aten.sigmoid.default, [gate(gates, k, 4)]) for k in (0, 1, 3))
+            g = e(aten.tanh.default, [gate(gates, 2, 4)])
+            c = e(aten.add.Tensor, [e(aten.mul.Tensor, [f, state[1]]), e(aten.mul.Tensor, [i, g])])
+            return [e(aten.mul.Tensor, [o, e(aten.tanh.default, [c])]), c]
+        if op is aten.gru.input:
+            r, z = (e(aten.sigmoid.default, [e(aten.add.Tensor, [gate(gi, k, 3), gate(gh, k, 3)])]) for k in (0, 1))
+            n = e(aten.tanh.default, [e(aten.add.Tensor, [gate(gi, 2, 3), e(aten.mul.Tensor, [r, gate(gh, 2, 3)])])])
+            # (1 - z) * n + z * h
+            return [e(aten.add.Tensor, [n, e(aten.mul.Tensor, [z, e(aten.sub.Tensor, [state[0], n])])])]
+        act = aten.tanh.default if op is aten.rnn_tanh.input else aten.relu.default
+        return [e(act, [e(aten.add.Tensor, [gi, gh])])]
 
     # ---- the Script ---------------------------------------------------------------------
     def finish(self, outputs, out_spec, attr_metas, diff_inputs=(), diff_attrs=None) -> Script:

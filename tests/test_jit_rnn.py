@@ -1,0 +1,93 @@
+"""ratex.jit.script on recurrent models: LSTM/GRU/RNN unrolled over time steps in the converted forward."""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ratex import jit
+from ratex.lazy_tensor_core.core import lazy_model as lm
+from ratex.lazy_tensor_core.debug import metrics
+
+RTOL, ATOL = 1e-4, 1e-5
+VOCAB, HIDDEN, BATCH, STEPS = 40, 16, 3, 7
+
+
+class RnnLM(nn.Module):
+    """Embedding -> 2-layer batch_first RNN -> linear, with an optional initial state."""
+
+    def __init__(self, cell=nn.LSTM, bidirectional=False, bias=True):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 12)
+        self.rnn = cell(12, HIDDEN, num_layers=2, batch_first=True, bidirectional=bidirectional, bias=bias)
+        self.out = nn.Linear(HIDDEN * (2 if bidirectional else 1), VOCAB)
+
+    def forward(self, ids, state=None):
+        y, _ = self.rnn(self.emb(ids), state)
+        return self.out(y)
+
+
+def _state(cell, bidirectional, gen):
+    dirs = 4 if bidirectional else 2
+    h = torch.randn(dirs, BATCH, HIDDEN, generator=gen)
+    return (h, torch.randn(dirs, BATCH, HIDDEN, generator=gen)) if cell is nn.LSTM else h
+
+
+def _to(state, dev):
+    if state is None:
+        return None
+    return tuple(s.to(dev) for s in state) if isinstance(state, tuple) else state.to(dev)
+
+
+@pytest.mark.parametrize(
+    "cell, bidirectional, with_state, bias",
+    [(nn.LSTM, False, False, True), (nn.GRU, True, True, True), (nn.RNN, False, True, False)],
+    ids=["lstm", "gru-bidirectional-state", "rnn-state-nobias"],
+)
+def test_rnn_language_model_trains_like_cpu_in_one_script_node(dev, cell, bidirectional, with_state, bias):
+    torch.manual_seed(0)
+    ref = RnnLM(cell, bidirectional, bias)
+    model = jit.script(copy.deepcopy(ref).to(dev))
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    for step in range(3):
+        gen = torch.Generator().manual_seed(step)
+        ids = torch.randint(0, VOCAB, (BATCH, STEPS), generator=gen)
+        state = _state(cell, bidirectional, gen) if with_state else None
+        target = ids.roll(-1, 1).flatten()
+        loss = F.cross_entropy(model(ids.to(dev), _to(state, dev)).flatten(0, 1), target.to(dev))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        lm.mark_step()
+        ref_loss = F.cross_entropy(ref(ids, state).flatten(0, 1), target)
+        ref_opt.zero_grad()
+        ref_loss.backward()
+        ref_opt.step()
+        torch.testing.assert_close(loss.detach().cpu(), ref_loss.detach(), rtol=RTOL, atol=ATOL)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=RTOL, atol=ATOL)
+    assert metrics.counter_value("ratex::script_fwd.default") == 3
+    assert metrics.counter_value("ratex::script_bwd.default") == 3
+    fallbacks = [n for n in metrics.counter_names() if n.startswith("aten::")]
+    assert not fallbacks, fallbacks
+
+
+def test_lstm_gradient_reaches_the_initial_state(dev):
+    torch.manual_seed(1)
+    ref = nn.LSTM(5, 6, num_layers=2)  # time-major input: (steps, batch, features)
+    model = jit.script(copy.deepcopy(ref).to(dev))
+    x = torch.randn(4, 2, 5)
+    h0, c0 = torch.randn(2, 2, 6), torch.randn(2, 2, 6)
+    lazy = [t.to(dev).requires_grad_(True) for t in (x, h0, c0)]
+    cpu = [t.clone().requires_grad_(True) for t in (x, h0, c0)]
+    y, (h, c) = model(lazy[0], (lazy[1], lazy[2]))
+    ry, (rh, rc) = ref(cpu[0], (cpu[1], cpu[2]))
+    (y.square().sum() + h.sum() + 2 * c.sum()).backward()
+    (ry.square().sum() + rh.sum() + 2 * rc.sum()).backward()
+    for got, want in zip((y, h, c), (ry, rh, rc)):
+        torch.testing.assert_close(got.detach().cpu(), want.detach(), rtol=RTOL, atol=ATOL)
+    for got, want in zip(lazy, cpu):
+        torch.testing.assert_close(got.grad.cpu(), want.grad, rtol=RTOL, atol=ATOL)
+    assert metrics.counter_value("ratex::script_fwd.default") == 1
