@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from tvm_lowering import LoweringError, exported, torchscript
-from tvm_lowering.scriptgraph import ConversionError
+from tvm_lowering.scriptgraph import Builder, ConversionError
 from . import capture
 from .core.tensor import LazyTensor, is_lazy
 from .core.tracing import random, registry
@@ -153,6 +153,50 @@ def call_script(key: str, tensors: list) -> list:
 def script_key(*parts) -> str:
     """A script key: a hash of everything that decides the converted script."""
     return "script_" + hashlib.sha1(repr(parts).encode()).hexdigest()[:20]
+
+
+# ---- RNNs on the plain lazy device ----------------------------------------------------
+# aten::lstm and its kin are composite: on the lazy device each call would record the
+# per-step, per-gate ATen ops of PyTorch's decomposition, and their backward op by op.
+# Above autograd, for lazy tensors, each call is instead one script call of the RNN alone,
+# unrolled by scriptgraph's Builder: one script_fwd node, one script_bwd node.
+_RNN_OPS = (torch.ops.aten.lstm.input, torch.ops.aten.gru.input, torch.ops.aten.rnn_tanh.input,
+            torch.ops.aten.rnn_relu.input)
+_rnn_lib = torch.library.Library("aten", "IMPL")
+
+
+def _rnn_script(op, x, hx, params, flags, tensors):
+    """The key of the script computing `op` on these tensors' metas and flags (built on first use)."""
+    metas = [(tuple(t.shape), t.dtype, t.requires_grad) for t in tensors]
+    key = script_key("rnn", str(op), metas, flags)
+    if key not in _scripts:
+        b = Builder()
+        nodes = [b.input(shape, dtype) for shape, dtype, _ in metas]
+        it = iter(nodes)
+        args = [next(it), [next(it) for _ in hx], [next(it) for _ in params], *flags]
+        if op is not torch.ops.aten.lstm.input:
+            args[1] = args[1][0]
+        outs = b.call(op, args, {})
+        diff = [i for i, (_, _, grad) in enumerate(metas) if grad]
+        register(key, b.finish(list(outs), None, {}, diff))
+    return key
+
+
+def _rnn_impl(op):
+    def impl(x, hx, params, *flags):
+        hx = list(hx) if isinstance(hx, (list, tuple)) else [hx]
+        tensors = [x, *hx, *params]
+        if not all(type(t) is LazyTensor for t in tensors):  # fake tensors of a lazy device (torch.compile)
+            return op.decompose(x, hx if op is torch.ops.aten.lstm.input else hx[0], params, *flags)
+        key = _rnn_script(op, x, hx, params, tuple(flags), tensors)
+        masks = [random.dropout_keep(LazyTensor.from_cpu(random.new_seed(), adopt=True), shape, p)
+                 for shape, p in _scripts[key].dropouts]
+        return tuple(call_script(key, tensors + masks))
+    return impl
+
+
+for _op in _RNN_OPS:
+    _rnn_lib.impl(_op._schema.name.split("::")[1] + "." + _op._overloadname, _rnn_impl(_op), "AutogradLazy")
 
 
 # ---- the module wrapper -----------------------------------------------------------

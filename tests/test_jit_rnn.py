@@ -1,4 +1,5 @@
-"""ratex.jit.script on recurrent models: LSTM/GRU/RNN unrolled over time steps in the converted forward."""
+"""Recurrent models: LSTM/GRU/RNN unrolled over time steps in a script's forward, under
+ratex.jit.script and, as one script node per call, on the plain lazy device."""
 import copy
 
 import pytest
@@ -45,10 +46,13 @@ def _to(state, dev):
     [(nn.LSTM, False, False, True), (nn.GRU, True, True, True), (nn.RNN, False, True, False)],
     ids=["lstm", "gru-bidirectional-state", "rnn-state-nobias"],
 )
-def test_rnn_language_model_trains_like_cpu_in_one_script_node(dev, cell, bidirectional, with_state, bias):
+@pytest.mark.parametrize("scripted", [True, False], ids=["scripted", "plain"])
+def test_rnn_language_model_trains_like_cpu_in_one_script_node(dev, cell, bidirectional, with_state, bias, scripted):
     torch.manual_seed(0)
     ref = RnnLM(cell, bidirectional, bias)
-    model = jit.script(copy.deepcopy(ref).to(dev))
+    model = copy.deepcopy(ref).to(dev)
+    if scripted:
+        model = jit.script(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
     for step in range(3):
@@ -68,6 +72,7 @@ def test_rnn_language_model_trains_like_cpu_in_one_script_node(dev, cell, bidire
         torch.testing.assert_close(loss.detach().cpu(), ref_loss.detach(), rtol=RTOL, atol=ATOL)
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=RTOL, atol=ATOL)
+    # Scripted: the whole forward is one node; plain: the RNN call is, the rest records as usual.
     assert metrics.counter_value("ratex::script_fwd.default") == 3
     assert metrics.counter_value("ratex::script_bwd.default") == 3
     fallbacks = [n for n in metrics.counter_names() if n.startswith("aten::")]
@@ -91,3 +96,24 @@ def test_lstm_gradient_reaches_the_initial_state(dev):
     for got, want in zip(lazy, cpu):
         torch.testing.assert_close(got.grad.cpu(), want.grad, rtol=RTOL, atol=ATOL)
     assert metrics.counter_value("ratex::script_fwd.default") == 1
+
+
+def test_plain_lazy_rnn_with_dropout_between_layers_is_one_node_and_eval_matches_cpu(dev):
+    torch.manual_seed(2)
+    ref = nn.GRU(5, 6, num_layers=3, dropout=0.3, batch_first=True)
+    model = copy.deepcopy(ref).to(dev)
+    x = torch.randn(2, 4, 5)
+    y, h = model(x.to(dev))  # training: masks between layers, drawn on the lazy device
+    (y.sum() + h.sum()).backward()
+    lm.mark_step()
+    assert all(p.grad is not None and torch.isfinite(p.grad.cpu()).all() for p in model.parameters())
+    assert metrics.counter_value("ratex::script_fwd.default") == 1
+    assert metrics.counter_value("ratex::script_bwd.default") == 1
+    model.eval()
+    ref.eval()
+    with torch.no_grad():
+        y, h = model(x.to(dev))
+        ry, rh = ref(x)
+    torch.testing.assert_close(y.cpu(), ry, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(h.cpu(), rh, rtol=RTOL, atol=ATOL)
+    assert not [n for n in metrics.counter_names() if n.startswith("aten::")]
