@@ -30,7 +30,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["Call", "Outputs", "Flat", "trace", "export", "DataDependentError"]
+__all__ = ["Call", "Outputs", "Flat", "share", "trace", "export", "DataDependentError"]
 
 _TENSOR = object()  # a tensor's place among a call's arguments
 _SCALARS = (type(None), bool, int, float, str, torch.dtype, torch.device, torch.memory_format, torch.layout)
@@ -168,6 +168,17 @@ def _tensors_in(obj) -> list:
     return found
 
 
+def share(module: nn.Module, model: nn.Module) -> nn.Module:
+    """`module`, made to hold `model`'s own parameter, buffer and submodule dicts (same objects,
+    same dotted names, same state_dict keys) and its training mode."""
+    module._parameters = model._parameters
+    module._buffers = model._buffers
+    module._modules = model._modules
+    module._non_persistent_buffers_set = model._non_persistent_buffers_set
+    module.training = model.training
+    return module
+
+
 class Flat(nn.Module):
     """`model` called with `call`'s arguments, taking their tensors and returning its outputs' tensors.
 
@@ -178,10 +189,7 @@ class Flat(nn.Module):
     def __init__(self, model: nn.Module, call: Call):
         super().__init__()
         object.__setattr__(self, "model", model)
-        self._parameters = model._parameters
-        self._buffers = model._buffers
-        self._modules = model._modules
-        self.training = model.training
+        share(self, model)
         self.call = call
         # Set inside an object: export restores the module attributes (and the containers
         # among them) that a forward assigns.

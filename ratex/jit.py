@@ -215,12 +215,7 @@ class ScriptModule(nn.Module):
     def __init__(self, model: nn.Module, captures=CAPTURES):
         super().__init__()
         object.__setattr__(self, "_orig", model)
-        # Share the model's own dicts: same Parameter objects, same state_dict keys.
-        self._parameters = model._parameters
-        self._buffers = model._buffers
-        self._modules = model._modules
-        self._non_persistent_buffers_set = model._non_persistent_buffers_set
-        self.training = model.training
+        capture.share(self, model)
         object.__setattr__(self, "_captures", tuple(captures))
         object.__setattr__(self, "_signature", None)
         object.__setattr__(self, "_cpu", None)
