@@ -22,8 +22,10 @@ import operator
 import threading
 
 import torch
+import tvm
 from torch import fx
 from torch.utils import _pytree as pytree
+from tvm import relax
 
 from . import autodiff
 from .importer import import_graph
@@ -92,6 +94,19 @@ def bind(op, args, kwargs) -> dict:
         elif a.has_default_value():
             out[a.name] = a.default_value
     return out
+
+
+def _tir_kernels(fn) -> list:
+    """Names of the PrimFuncs that Relax function `fn` calls with call_tir."""
+    call_tir = tvm.ir.Op.get("relax.call_tir")
+    names = []
+
+    def visit(expr):
+        if isinstance(expr, relax.Call) and expr.op.same_as(call_tir):
+            names.append(expr.args[0].name_hint)
+
+    relax.analysis.post_order_visit(fn.body, visit)
+    return sorted(set(names))
 
 
 class Builder:
@@ -439,6 +454,9 @@ class Builder:
         self._order_placeholders()
         self.g.lint()
         fwd = import_graph(self.g, name="fwd", differentiable=True)["fwd"]
+        kernels = _tir_kernels(fwd)
+        if kernels:  # neither differentiable nor callable once fwd is inlined without the module's PrimFuncs
+            raise ConversionError(f"a rule emitted TIR kernels {kernels} where Relax ops are needed")
         n_in = len(self.inputs)
         diff = [i for i in diff_inputs if self.inputs[i].meta["val"].dtype.is_floating_point]
         for j, path in enumerate(self.attr_paths):
