@@ -25,6 +25,9 @@ that are copied into the module's buffers.
 Models that neither capture takes faithfully (data-dependent control flow,
 `.item()`), or whose graph cannot be converted, get a warning and run on the
 plain lazy device, with the same results.
+
+On the plain lazy device too, each LSTM/GRU/RNN call is one script node (see
+"RNNs on the plain lazy device" below).
 """
 import copy
 import hashlib
@@ -165,10 +168,16 @@ _RNN_OPS = (torch.ops.aten.lstm.input, torch.ops.aten.gru.input, torch.ops.aten.
 _rnn_lib = torch.library.Library("aten", "IMPL")
 
 
-def _rnn_script(op, x, hx, params, flags, tensors):
-    """The key of the script computing `op` on these tensors' metas and flags (built on first use)."""
+_rnn_refused = {}  # key -> why the RNN could not be converted (it then records PyTorch's decomposition)
+
+
+def _rnn_script(op, hx, params, flags, tensors):
+    """The key of the script computing `op` on these tensors' metas and flags (built on first
+    use), or None where it cannot be converted."""
     metas = [(tuple(t.shape), t.dtype, t.requires_grad) for t in tensors]
     key = script_key("rnn", str(op), metas, flags)
+    if key in _rnn_refused:
+        return None
     if key not in _scripts:
         b = Builder()
         nodes = [b.input(shape, dtype) for shape, dtype, _ in metas]
@@ -176,9 +185,13 @@ def _rnn_script(op, x, hx, params, flags, tensors):
         args = [next(it), [next(it) for _ in hx], [next(it) for _ in params], *flags]
         if op is not torch.ops.aten.lstm.input:
             args[1] = args[1][0]
-        outs = b.call(op, args, {})
         diff = [i for i, (_, _, grad) in enumerate(metas) if grad]
-        register(key, b.finish(list(outs), None, {}, diff))
+        try:
+            script = b.finish(list(b.call(op, args, {})), None, {}, diff)
+        except (ConversionError, LoweringError) as exc:
+            _rnn_refused[key] = str(exc)
+            return None
+        register(key, script)
     return key
 
 
@@ -186,9 +199,12 @@ def _rnn_impl(op):
     def impl(x, hx, params, *flags):
         hx = list(hx) if isinstance(hx, (list, tuple)) else [hx]
         tensors = [x, *hx, *params]
-        if not all(type(t) is LazyTensor for t in tensors):  # fake tensors of a lazy device (torch.compile)
+        # Fake tensors of a lazy device (torch.compile) and RNNs the Builder refuses (proj_size)
+        # take PyTorch's decomposition.
+        lazy = all(type(t) is LazyTensor for t in tensors)
+        key = _rnn_script(op, hx, params, tuple(flags), tensors) if lazy else None
+        if key is None:
             return op.decompose(x, hx if op is torch.ops.aten.lstm.input else hx[0], params, *flags)
-        key = _rnn_script(op, x, hx, params, tuple(flags), tensors)
         masks = [random.dropout_keep(LazyTensor.from_cpu(random.new_seed(), adopt=True), shape, p)
                  for shape, p in _scripts[key].dropouts]
         return tuple(call_script(key, tensors + masks))

@@ -117,3 +117,20 @@ def test_plain_lazy_rnn_with_dropout_between_layers_is_one_node_and_eval_matches
     torch.testing.assert_close(y.cpu(), ry, rtol=RTOL, atol=ATOL)
     torch.testing.assert_close(h.cpu(), rh, rtol=RTOL, atol=ATOL)
     assert not [n for n in metrics.counter_names() if n.startswith("aten::")]
+
+
+def test_plain_lazy_lstm_the_builder_refuses_records_pytorchs_decomposition(dev):
+    """proj_size has no unrolling here: the call decomposes as before, and still matches CPU."""
+    torch.manual_seed(3)
+    ref = nn.LSTM(5, 6, proj_size=3, batch_first=True)
+    model = copy.deepcopy(ref).to(dev)
+    x = torch.randn(2, 4, 5)
+    y, (h, c) = model(x.to(dev))
+    ry, (rh, rc) = ref(x)
+    (y.sum() + c.sum()).backward()
+    (ry.sum() + rc.sum()).backward()
+    for got, want in zip((y, h, c), (ry, rh, rc)):
+        torch.testing.assert_close(got.detach().cpu(), want.detach(), rtol=RTOL, atol=ATOL)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad.cpu(), q.grad, rtol=RTOL, atol=ATOL)
+    assert metrics.counter_value("ratex::script_fwd.default") is None
