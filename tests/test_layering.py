@@ -20,7 +20,7 @@ LAYERS = (
     ("runtime", ("device", "kernels", "launch", "executor")),
     ("tensor", ("storage", "chain", "tensor")),
     ("tracing", ("tracing",)),
-    ("sync", ("sync",)),
+    ("sync", ("explain", "sync")),
 )
 _LAYER_OF = {name: k for k, (_, names) in enumerate(LAYERS) for name in names}
 
