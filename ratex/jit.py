@@ -199,9 +199,11 @@ def _rnn_impl(op):
     def impl(x, hx, params, *flags):
         hx = list(hx) if isinstance(hx, (list, tuple)) else [hx]
         tensors = [x, *hx, *params]
-        # Fake tensors of a lazy device (torch.compile) and RNNs the Builder refuses (proj_size)
+        # Fake tensors of a lazy device (torch.compile), RNNs the Builder refuses (proj_size) and
+        # calls under ratex.amp.autocast (whose casts apply to the decomposition's products)
         # take PyTorch's decomposition.
-        lazy = all(type(t) is LazyTensor for t in tensors)
+        lazy = all(type(t) is LazyTensor for t in tensors) and not torch._C._dispatch_tls_is_dispatch_key_included(
+            torch._C.DispatchKey.AutocastPrivateUse1)
         key = _rnn_script(op, hx, params, tuple(flags), tensors) if lazy else None
         if key is None:
             return op.decompose(x, hx if op is torch.ops.aten.lstm.input else hx[0], params, *flags)

@@ -134,3 +134,15 @@ def test_plain_lazy_lstm_the_builder_refuses_records_pytorchs_decomposition(dev)
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad.cpu(), q.grad, rtol=RTOL, atol=ATOL)
     assert metrics.counter_value("ratex::script_fwd.default") is None
+
+
+def test_plain_lazy_rnn_under_autocast_keeps_the_decomposition_that_autocast_casts(dev):
+    import ratex
+
+    model = nn.GRU(5, 6, batch_first=True).to(dev)
+    x = torch.randn(2, 3, 5).to(dev)
+    with ratex.amp.autocast(dtype=torch.bfloat16):
+        model(x)
+    assert metrics.counter_value("ratex::script_fwd.default") is None
+    model(x)
+    assert metrics.counter_value("ratex::script_fwd.default") == 1
