@@ -17,7 +17,7 @@ CORE = ROOT / "ratex" / "core"
 # (ratex/core/__init__.py describes them). `tracing` is the package and all its modules.
 LAYERS = (
     ("ir", ("metrics", "progress", "ir", "shape", "graph", "render")),
-    ("runtime", ("device", "kernels", "launch", "executor")),
+    ("runtime", ("device", "kernels", "bounds", "launch", "executor")),
     ("tensor", ("storage", "chain", "tensor")),
     ("tracing", ("tracing",)),
     ("sync", ("explain", "sync")),

@@ -50,6 +50,7 @@ def convert(ep, attr_metas, diff_inputs=(), diff_attrs=None) -> Script:
         if node.op == "placeholder":
             env[node] = _placeholder(b, ep, inputs[node.name], node)
         elif node.op == "call_function":
+            b.origin = (str(node.target), "")  # bounds.py reads TorchScript source ranges, not stacks
             if node.target in _CHECKS:
                 continue
             args, kwargs = fx.map_arg((node.args, node.kwargs), lambda n: env[n])

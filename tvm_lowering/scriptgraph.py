@@ -29,6 +29,7 @@ from tvm import relax
 
 from . import autodiff
 from .importer import import_graph
+from .ops.bounds import SITE
 
 aten = torch.ops.aten
 
@@ -40,7 +41,8 @@ class ConversionError(RuntimeError):
 class Script:
     """A converted forward, its metas, and its (lazily built) backward."""
 
-    def __init__(self, fwd, n_inputs, attr_paths, consts, dropouts, out_metas, out_spec, writes, diff, graph=None):
+    def __init__(self, fwd, n_inputs, attr_paths, consts, dropouts, out_metas, out_spec, writes, diff, graph=None,
+                 checks=(), sites=None):
         self.fwd = fwd  # relax.Function
         self.graph = graph  # the fx graph fwd was lowered from: the same computation in ATen ops
         self.n_inputs = n_inputs
@@ -52,6 +54,8 @@ class Script:
         self.writes = writes  # attr paths of the buffers the forward writes: the last outputs
         self.n_outs = len(out_metas) - len(writes)  # the model's own outputs
         self.diff = diff  # indices (into inputs+attrs+consts) that get gradients
+        self.checks = list(checks)  # headers of the index checks in fwd's last output (ops/bounds.py)
+        self.sites = sites or {}  # site of a check -> (the captured op, its source: TorchScript's range or a stack)
         self._bwd = None
         self._lock = threading.Lock()
 
@@ -120,6 +124,8 @@ class Builder:
         self.consts, self.const_nodes = [], {}
         self.masks, self.dropouts = [], []  # keep-mask placeholders; (shape, p) of each
         self.writes = {}  # attr path -> fx node of the value the forward wrote there
+        # (op name, source) of the captured node being converted, set by the converter; that of each call
+        self.origin, self.origins = ("an indexing op", ""), []
 
     # ---- placeholders ---------------------------------------------------------------
     def _placeholder(self, name, val):
@@ -250,6 +256,8 @@ class Builder:
         except Exception as exc:
             raise ConversionError(f"{op}: {exc}") from exc
         call = self.g.call_function(op, tuple(args), kwargs)
+        call.meta[SITE] = len(self.origins)
+        self.origins.append(self.origin)
         if isinstance(val, torch.Tensor):
             call.meta["val"] = val
             return call
@@ -453,7 +461,8 @@ class Builder:
                 del self.attr_nodes[path]
         self._order_placeholders()
         self.g.lint()
-        fwd = import_graph(self.g, name="fwd", differentiable=True)["fwd"]
+        checks = []
+        fwd = import_graph(self.g, name="fwd", differentiable=True, checks=checks)["fwd"]
         kernels = _tir_kernels(fwd)
         if kernels:  # neither differentiable nor callable once fwd is inlined without the module's PrimFuncs
             raise ConversionError(f"a rule emitted TIR kernels {kernels} where Relax ops are needed")
@@ -463,8 +472,9 @@ class Builder:
             if (diff_attrs is None or path in diff_attrs) and attr_metas[path][1].is_floating_point:
                 diff.append(n_in + j)
         metas = [(tuple(n.meta["val"].shape), n.meta["val"].dtype) for n in fx_outs]
+        sites = {site: self.origins[site] for site, *_ in checks}
         return Script(fwd, n_in, list(self.attr_paths), list(self.consts), list(self.dropouts), metas, out_spec,
-                      list(self.writes), diff, self.g)
+                      list(self.writes), diff, self.g, checks, sites)
 
     def _order_placeholders(self):
         """Parameters in the order Script promises: inputs, attrs, consts, masks."""

@@ -10,7 +10,9 @@ lowers the fx graph with the same rules.
 `convert` returns a `Script` (scriptgraph.py): the Relax forward
 `fwd(inputs..., attrs..., consts..., masks...) -> (outputs..., new buffers...)`,
 the output metas and structure, and, built on first use, the backward that
-`relax.transform.Gradient` derives from `fwd`.
+`relax.transform.Gradient` derives from `fwd`. Indices are checked as in every
+program (ops/bounds.py): `Script.checks` and `Script.sites` name each checked op
+and its source range.
 
 TorchScript graphs do not say which values alias which, so in-place ops are
 taken only where that cannot matter: a write to a parameter or buffer
@@ -114,6 +116,7 @@ class _Converter(Builder):
 
     # ---- one TorchScript node ------------------------------------------------
     def _node(self, node):
+        self.origin = (node.kind(), node.sourceRange())
         kind = node.kind()
         ins = [self.env[v.unique()] for v in node.inputs()]
         outs = list(node.outputs())

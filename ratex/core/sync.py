@@ -134,7 +134,7 @@ def _execute(values: list, written, aliasing: bool):
             program.empty = any(0 in node.metas[idx].shape for node, idx in graph.leaves)
         if program.label is None:  # for error messages; naming it hashes the whole key again
             program.label = f"graph {_label(graph)} ({len(graph.nodes)} ops)"
-        job = launch.Job(program, inputs, roots, program.label)
+        job = launch.Job(program, inputs, roots, program.label, graph.nodes)
         if donate:
             job.forget_rollback([graph.leaves[i] for i, _ in donate])
         for (node, idx), pending in zip(roots, job.pendings):

@@ -83,7 +83,7 @@ class LazyTensor(torch.Tensor):
             if not self._chain:
                 self._st.rebind()
         node, idx = value
-        return launch.resolve(node.results[idx])
+        return launch.read(node.results[idx])
 
     def _to_cpu(self) -> torch.Tensor:
         return backend().download(self._device_data())
