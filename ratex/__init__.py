@@ -18,8 +18,9 @@ from .lazy_tensor_core.core import lazy_model  # noqa: E402
 from .lazy_tensor_core.debug import metrics  # noqa: E402
 from . import jit  # noqa: E402  (ratex.jit.script)
 from . import debug, profiler  # noqa: E402,F401  (ratex.profiler.Profiler, RATEX_PROFILE, ratex.debug.graph_text)
-from .version import __version__
+from .dynamo import compile  # noqa: E402  (torch.compile(backend="ratex"); registers the backend)
+from .version import __version__  # noqa: E402
 
 process.drive_torch_lazy(lazy_model.mark_step, lazy_model.wait_device_ops)
 
-__all__ = ["LazyTensor", "is_lazy", "jit", "lazy_model", "metrics", "__version__"]
+__all__ = ["LazyTensor", "compile", "is_lazy", "jit", "lazy_model", "metrics", "__version__"]

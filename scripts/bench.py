@@ -17,8 +17,12 @@ Systems:
   torch_lazy    torch._lazy with the TorchScript backend (never imports ratex; CPU only)
   ratex_lazy    ratex's lazy device
   ratex_script  ratex.jit.script(model) on ratex's lazy device
+  ratex_compile torch.compile(train_step, backend="ratex"): dynamo and AOTAutograd capture
+                forward, backward and optimizer step once; ratex compiles them with TVM and
+                runs them on CPU tensors (CUDA tensors with --device gpu)
 
---device gpu runs eager and compile on CUDA and ratex with RATEX_DEVICE=GPU. Eager
+--device gpu runs eager, compile and ratex_compile on CUDA and the lazy ratex systems with
+RATEX_DEVICE=GPU. Eager
 CUDA steps run at most one step ahead of the GPU (a CUDA event per step), as ratex
 runs at most one program ahead, and with cuDNN's TF32 off, so that eager computes
 float32 convolutions as ratex does.
@@ -27,10 +31,12 @@ Table 1: median ms/step over the steps after the first --warmup ones (the last
 step is also left out: it is the one whose ATen ops are counted), seconds of
 the first step (compile included), ratio of the median to eager's, the final
 loss, and for ratex cells whether it equals eager's final loss to 4 decimals and
-how many programs were compiled. Models with dropout (mnist-b64) draw different
+how many programs were compiled (ratex_compile: one per graph that dynamo and
+AOTAutograd hand over). Models with dropout (mnist-b64) draw different
 random masks than eager does, so that check is marked 'n/a (dropout)' (dropout
 is not disabled: the benchmark measures the model as it trains); ratex_script
-draws ratex_lazy's masks, so its loss is checked against ratex_lazy's. A
+and ratex_compile draw ratex_lazy's masks (the same seeds from torch's generator,
+in the same order), so their loss is checked against ratex_lazy's. A
 ratex_script cell whose model jit.script could not script (it then runs on the
 plain lazy device) is footnoted with ratex's warning.
 
@@ -42,7 +48,7 @@ program ahead). The first step and the last wait for their programs. With
 --serial every step waits for its program, so a step's time is its tracing,
 mark_step and execution end to end.
 
-Table 2 (ratex cells): tracing cost per ATen op on a cache hit, two ways, over
+Table 2 (ratex's lazy cells): tracing cost per ATen op on a cache hit, two ways, over
 the top-level ATen calls that reach ratex's handler (`ratex.core.tracing.dispatch`)
 in one step (the nested calls of ratex's own decompositions are shown after a
 '+'): 'dispatch us/op' is the CPU time inside that handler per call, what ratex's
@@ -83,9 +89,10 @@ import sys
 import tempfile
 import time
 
-SYSTEMS = ["eager", "compile", "torch_lazy", "ratex_lazy", "ratex_script"]
+SYSTEMS = ["eager", "compile", "torch_lazy", "ratex_lazy", "ratex_script", "ratex_compile"]
 MODELS = ["lenet-b1", "lenet-b64", "mnist-b64", "mlp-b128", "gpt2l-b8"]
-RATEX = ("ratex_lazy", "ratex_script")
+LAZY_RATEX = ("ratex_lazy", "ratex_script")  # the lazy device: traced per op, a program per mark_step
+RATEX = (*LAZY_RATEX, "ratex_compile")
 MARK = "BENCH_RESULT "
 
 
@@ -131,7 +138,7 @@ def run_cell(model_name, system, steps, warmup, caught=(), serial=False, gpu=Fal
 
         mark, wait = torch._lazy.mark_step, torch._lazy.wait_device_ops
 
-    elif system in RATEX:
+    elif system in LAZY_RATEX:
         import ratex
         import ratex.core.tensor as rtensor
         import ratex.core.tracing.registry as rops
@@ -142,6 +149,16 @@ def run_cell(model_name, system, steps, warmup, caught=(), serial=False, gpu=Fal
 
         mark, wait = lm.mark_step, lm.wait_device_ops
         counter = _DispatchCounter(rops, rtensor)
+    elif system == "ratex_compile":
+        import ratex  # noqa: F401  (registers the "ratex" backend)
+        from ratex.lazy_tensor_core.debug import metrics
+
+        dev = torch.device("cuda" if gpu else "cpu")
+        if gpu:
+            torch.backends.cudnn.allow_tf32 = False  # float32 convolutions, as ratex computes them
+            mark, wait = _one_step_ahead(torch), torch.cuda.synchronize
+        else:
+            mark = wait = lambda: None
     elif gpu:
         dev = torch.device("cuda")
         torch.backends.cudnn.allow_tf32 = False  # float32 convolutions, as ratex computes them
@@ -171,7 +188,11 @@ def run_cell(model_name, system, steps, warmup, caught=(), serial=False, gpu=Fal
         opt.step()
         return loss
 
-    step_fn = torch.compile(train_step) if system == "compile" else train_step
+    step_fn = train_step
+    if system == "compile":
+        step_fn = torch.compile(train_step)
+    elif system == "ratex_compile":
+        step_fn = torch.compile(train_step, backend="ratex")
 
     def exec_total():
         if metrics is None:
@@ -228,8 +249,12 @@ def run_cell(model_name, system, steps, warmup, caught=(), serial=False, gpu=Fal
     result["first_step_s"] = times[0]
     timed = slice(warmup, steps - 1)
     result["median_ms"] = statistics.median(times[timed]) * 1e3
-    if counter is not None:
+    if metrics is not None:
         result["compiles"] = metrics.counter_value("UncachedCompile") or 0
+        fallbacks = {k: v for k, v in ((k, metrics.counter_value(k)) for k in metrics.counter_names())
+                     if k.startswith("aten::")}
+        result["fallback_ops"] = fallbacks
+    if counter is not None:
         result["ops_total"] = counter.total
         result["ops_top"] = counter.top
         trace = statistics.median(traces[timed])
@@ -442,13 +467,18 @@ def report(models, systems, cells, args):
                 footnotes.append(f"[{len(footnotes) + 1}] {m} / {s}: ran on the plain lazy device, "
                                  f"not scripted: {r['script_fallback']}")
                 name = f"{s} [{len(footnotes)}]"
+            if s == "ratex_compile" and r.get("fallback_ops"):
+                ops = ", ".join(f"{k} x{v}" for k, v in r["fallback_ops"].items())
+                footnotes.append(f"[{len(footnotes) + 1}] {m} / {s}: ops run in eager PyTorch: {ops}")
+                name = f"{s} [{len(footnotes)}]"
             loss = check = compiles = ""
             if s in RATEX:
                 loss = f"{r['final_loss']:.4f}"
                 compiles = str(r.get("compiles", ""))
                 lazy = cells.get((m, "ratex_lazy"))
-                if SPECS[m].dropout and s == "ratex_script" and lazy is not None and "error" not in lazy:
-                    # Same seeds, same masks: the scripted model must train exactly as the lazy one.
+                if SPECS[m].dropout and s in ("ratex_script", "ratex_compile") and lazy is not None \
+                        and "error" not in lazy:
+                    # Same seeds, same masks: the scripted and the compiled model must train as the lazy one.
                     same = round(r["final_loss"], 4) == round(lazy["final_loss"], 4)
                     check = "yes (= ratex_lazy)" if same else f"NO (ratex_lazy {lazy['final_loss']:.4f})"
                 elif SPECS[m].dropout:
@@ -467,7 +497,7 @@ def report(models, systems, cells, args):
     rows2 = []
     for m in models:
         for s in systems:
-            if s not in RATEX:
+            if s not in LAZY_RATEX:
                 continue
             r = cells[(m, s)]
             if "error" in r:

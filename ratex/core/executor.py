@@ -20,7 +20,7 @@ from .render import format_graph
 
 # The process's compiled programs: in memory, then in RATEX_CACHE_DIR (see `_attach`).
 CACHE = tvm_lowering.CompileCache()
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # ratex/: its code salts the disk cache
+PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # ratex/: its code salts the disk cache
 
 
 class Program:
@@ -155,7 +155,7 @@ def _compile(graph: Graph, key, donate: tuple, aliasing: bool) -> Program:
     dev = be.target.device()
     dump = functools.partial(_save_ir, graph) if config.SAVE_IR else None
     with metrics.timed("CompileTime"):
-        built = CACHE.build(mod, be.target, options, donate, on_tune=_tuning, dump=dump)
+        built = CACHE.build(mod, be.target, options, donate, on_tune=tuning_progress, dump=dump)
         # Making the VM JIT-links the code in memory, which costs about as much as the build.
         # With a persistent cache the library is exported (linked) once and loaded instead.
         persists = CACHE.persists(key, options)
@@ -193,13 +193,13 @@ def _attach(be):
     """Point the cache's disk tier at RATEX_CACHE_DIR, with the tuning settings (read now: tests
     change them); a comparison when nothing changed."""
     CACHE.attach(
-        config.CACHE_DIR, be.target, version=__version__, packages=(_PACKAGE,), size_limit=config.CACHE_SIZE_MB << 20,
+        config.CACHE_DIR, be.target, version=__version__, packages=(PACKAGE,), size_limit=config.CACHE_SIZE_MB << 20,
         tune=config.TUNE, cores=process.TVM_THREADS,
     )
 
 
 @contextlib.contextmanager
-def _tuning(count: int):
+def tuning_progress(count: int):
     """Around tuning `count` new kernels during a compile: progress bar, metrics."""
     with metrics.timed("TuneTime"), progress.tuning(count) as step:
         yield step

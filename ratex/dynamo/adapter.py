@@ -1,0 +1,141 @@
+"""The one place where the compile front end reaches into the lazy path's core.
+
+Everything `ratex.dynamo` shares with the lazy device goes through here: the
+compile caches (the lazy path's memory cache object and its persistent
+`RATEX_CACHE_DIR` cache), the kernel-library choice, tuning records, metrics,
+the RNG seed scheme and the settings. When those move behind new interfaces,
+this module is what follows them.
+"""
+import functools
+import time
+import warnings
+
+import torch
+
+import tvm_lowering
+from .. import config, process
+from ..core import executor, kernels, launch, metrics, progress
+from ..core.tracing import random
+from ..version import __version__
+
+counts = metrics.counts  # `counts[name] += 1` on per-call paths
+record = metrics.record
+counter_inc = metrics.counter_inc
+new_seed = random.new_seed
+DROPOUT_KEEP = torch.ops.ratex.dropout_keep.default  # defined by ratex.core.tracing.random
+
+
+listeners = metrics._listeners  # non-empty while a profiler (or RATEX_PROFILE) listens to timed events
+
+
+def tell(name: str, start: float, end: float):
+    """Tell the listeners about a span (the profiler's 'Sync': time inside ratex), keeping no metric."""
+    for fn in tuple(metrics._listeners):
+        fn(name, start, end)
+
+
+def param_aliasing() -> bool:
+    """Return whether ENABLE_PARAM_ALIASING asks for in-place updates of overwritten inputs."""
+    return config.PARAM_ALIASING
+
+
+@functools.lru_cache(maxsize=None)
+def target(kind: str, cuda_arch: str = ""):
+    """Return the tvm_lowering Target for 'CPU', or 'GPU' with its CUDA arch ('sm_90')."""
+    return tvm_lowering.resolve_target(kind, cuda_arch or None)
+
+
+def options(kind: str) -> tvm_lowering.Options:
+    """The compile options on `kind` under RATEX_KERNELS and RATEX_CPU_SCHEDULE (read now: tests
+    change them), as the lazy path resolves them.
+
+    On GPU the library must be the Python kernels (torch's CUDA kernels): the native library is
+    registered over them only for RATEX_DEVICE=CPU, and it takes CPU tensors only.
+    """
+    runs = kind == "CPU" or (torch.cuda.is_available() and kernels.NATIVE is None)
+    return target(kind).options(config.KERNELS.lower(), runs, config.CPU_SCHEDULE)
+
+
+def memory_cache():
+    """Return the lazy path's compile cache (keys of this front end start with 'dynamo')."""
+    return executor.CACHE
+
+
+def _attach(kind: str, cuda_arch: str):
+    """Point the cache's disk tier at RATEX_CACHE_DIR for this target, as the lazy path does."""
+    executor.CACHE.attach(
+        config.CACHE_DIR, target(kind, cuda_arch), version=__version__, packages=(executor.PACKAGE,),
+        size_limit=config.CACHE_SIZE_MB << 20, tune=config.TUNE if kind == "CPU" else 0,
+        cores=process.TVM_THREADS,
+    )
+
+
+def load(key, kind: str, cuda_arch: str):
+    """Return the library stored under `key` in the persistent cache, or None."""
+    _attach(kind, cuda_arch)
+    opts = options(kind)
+    if not executor.CACHE.persists(key, opts):
+        return None
+    with metrics.timed("PersistentCacheLoadTime"):
+        lib = executor.CACHE.load(key, opts)
+    if lib is not None:
+        metrics.counter_inc("PersistentCacheHit")
+    return lib
+
+
+def build(mod, kind: str, cuda_arch: str, donate: tuple, label: str, key, ops: int):
+    """Compile Relax module `mod` for `kind`; return (executable or loaded library, donated pairs).
+
+    With a persistent cache and a `key`, the executable is stored there and loaded back
+    (linking it once on export is cheaper than linking it in memory at every load).
+    """
+    launch.drain()  # no compiling while a lazy program runs: TVM's codegen isn't safe next to it
+    _attach(kind, cuda_arch)
+    opts = options(kind)
+    with progress.compiling(label), metrics.timed("CompileTime"):
+        built = executor.CACHE.build(mod, target(kind, cuda_arch), opts, donate, on_tune=executor.tuning_progress)
+    if built.donated:
+        metrics.counter_inc("DonatedBuffers", len(built.donated))
+    if built.report.applied:
+        metrics.counter_inc("TunedKernelsApplied", built.report.applied)
+    if key is not None and executor.CACHE.persists(key, opts):
+        with metrics.timed("PersistentCacheStoreTime"):
+            lib = executor.CACHE.store(key, opts, built, {"ops": ops})
+        if lib is not None:
+            return lib, built.donated
+    return built.executable, built.donated
+
+
+def lower(graph, kind: str):
+    """Return the Relax module of fx `graph` for `kind` (raises tvm_lowering.LoweringError)."""
+    opts = options(kind)
+    with metrics.timed("LowerTime"):
+        return tvm_lowering.import_graph(graph, library=opts.library, host_kernels=target(kind).host_kernels,
+                                         library_min_macs=opts.library_min_macs)
+
+
+def saving_ir() -> bool:
+    """Return whether RATEX_SAVE_IR names a file to append compiled graphs to."""
+    return bool(config.SAVE_IR)
+
+
+def save_ir(text: str):
+    """Append `text` to the RATEX_SAVE_IR file."""
+    if config.SAVE_IR:
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+        with open(config.SAVE_IR, "a", encoding="utf-8") as f:
+            f.write(f"==== torch.compile graph  compiled {stamp}\n{text}\n")
+
+
+_warned = set()
+
+
+def _warn_once(what: str, message: str):
+    if what not in _warned:
+        _warned.add(what)
+        warnings.warn(message, stacklevel=3)
+
+
+def warn_fallback(name: str, why: str):
+    """Warn once per op name that `name` runs in eager PyTorch, and why."""
+    _warn_once(f"op:{name}", f"ratex: {name} runs in eager PyTorch ({why}): correct, but slower")
