@@ -262,3 +262,34 @@ def test_optimizers_of_lazy_parameters_step_with_foreach(dev):
     lm.mark_step()
     assert seen == [[True], [False], [True, None]]
     assert [[g["foreach"] for g in opt.param_groups] for opt in opts] == [[None], [False], [None, None]]
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_zero_grad_records_nothing_or_zeros(dev, set_to_none):
+    """zero_grad(set_to_none=True) records no node and creates no tensor; set_to_none=False
+    (foreach zero_ on lazy parameters) zeros the grads in place. Either way the next backward's
+    grads equal CPU's."""
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
+    model = copy.deepcopy(ref).to(dev)
+    opt, ref_opt = torch.optim.AdamW(model.parameters()), torch.optim.AdamW(ref.parameters())
+    x = torch.randn(5, 4)
+    for step in range(2):
+        for m, o, inp in ((model, opt, x.to(dev)), (ref, ref_opt, x)):
+            m(inp * (step + 1)).pow(2).sum().backward()
+        lm.mark_step()
+        grads = [p.grad for p in model.parameters()]
+        metrics.reset()
+        opt.zero_grad(set_to_none=set_to_none)
+        ref_opt.zero_grad(set_to_none=set_to_none)
+        if set_to_none:
+            assert not any(metrics.counter_value(n) for n in metrics.counter_names())
+            assert all(p.grad is None for p in model.parameters())
+        else:
+            assert not [c for c in metrics.counter_names() if c.startswith("aten::")]
+            assert all(p.grad is g for p, g in zip(model.parameters(), grads))  # the same tensors, zeroed
+            torch.testing.assert_close([g.cpu() for g in grads], [torch.zeros_like(p) for p in ref.parameters()])
+    for m, inp in ((model, x.to(dev)), (ref, x)):
+        m(inp).pow(2).sum().backward()
+    lm.mark_step()
+    torch.testing.assert_close([p.grad.cpu() for p in model.parameters()], [p.grad for p in ref.parameters()])
