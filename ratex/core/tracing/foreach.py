@@ -108,8 +108,22 @@ def _with_scalar(op, x, s, meta):
     """op(x, s) for a Python number `s`: a float that changes every step is an input (see
     record.lift_scalar, which also lifts x * 0: folding it would lose NaN * 0 = NaN)."""
     if liftable(s) or (op is _MUL and s == 0):
-        return _node(op, BINARY_SPEC, (x, scalar_input(s, meta.dtype).value), meta)
+        return _node(op, BINARY_SPEC, (x, _lifted(s, meta.dtype)), meta)
     return _node(op, ((_SLOT0, float_atom(s) if type(s) is float else s), NO_KWARGS), (x,), meta)
+
+
+def _lifted(s, dtype):
+    """The IR value of the graph input holding `s` as a 0-dim `dtype` tensor: one look-up in
+    record.scalar_input per scalar of a call, not per element (an optimizer passes the same lr
+    for every parameter)."""
+    key = (float_atom(s) if type(s) is float else s, type(s), dtype)  # -0.0 apart from 0.0, 1 from 1.0
+    value = _call_scalars.get(key)
+    if value is None:
+        value = _call_scalars[key] = scalar_input(s, dtype).value
+    return value
+
+
+_call_scalars = {}  # (scalar, type, dtype) -> IR value, for the foreach call being recorded
 
 
 _SLOT0 = slot(0)
@@ -122,7 +136,7 @@ def _add_alpha(op, sign):
         if alpha == 1:
             return _node(op, BINARY_SPEC, (x, other), meta)
         if liftable(alpha):  # x + other * (sign * alpha): one node, alpha an input
-            return _node(_ADDCMUL, TERNARY_SPEC, (x, other, scalar_input(sign * alpha, meta.dtype).value), meta)
+            return _node(_ADDCMUL, TERNARY_SPEC, (x, other, _lifted(sign * alpha, meta.dtype)), meta)
         return _node(op, BINARY_SPEC, (x, _with_scalar(_MUL, other, alpha, meta)), meta)
 
     return build
@@ -237,6 +251,7 @@ def _recorded(plan, func, args, kwargs):
             raise RuntimeError(f"{func}: every list must have {n} elements, as `self` has; got {got} {what}")
     build, inplace, roles = plan.build, plan.inplace, plan.roles
     results = None if inplace else [None] * n
+    _call_scalars.clear()  # this call's only: the next may run under another backend
     for i in range(n):
         x = targets[i]
         operands = _operands(x, roles, rest, i, inplace)
@@ -263,18 +278,22 @@ def _operands(x, roles, rest, i, inplace):
     if type(x) is not LazyTensor:
         return None
     shape, strides, dtype = x._sig
-    if not dtype.is_floating_point or (0 in strides if inplace else not _contiguous(x._sig)):
+    if not dtype.is_floating_point:
         return None
+    if inplace:
+        if 0 in strides:
+            return None
+    else:
+        strides = contiguous_strides(shape)
+        if x._sig[1] != strides:
+            return None
     out = []
     for role, value in zip(roles, rest):
-        if role == "scalar":
-            item = value
-        else:
-            item = value[i]
+        item = value if role == "scalar" else value[i]
         t = type(item)
         if t is LazyTensor:
             sig = item._sig
-            if sig[0] != shape or sig[2] != dtype or (not inplace and not _contiguous(sig)):
+            if sig[0] != shape or sig[2] != dtype or (not inplace and sig[1] != strides):
                 return None
             out.append(item._value())
         elif t in _NUMBERS:
@@ -282,10 +301,6 @@ def _operands(x, roles, rest, i, inplace):
         else:
             return None
     return out
-
-
-def _contiguous(sig) -> bool:
-    return sig[1] == contiguous_strides(sig[0])
 
 
 def _plans():
