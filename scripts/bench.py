@@ -71,7 +71,7 @@ kernels write new tensors as large as the parameters and optimizer state).
 
 Threads: every cell runs with --threads (default 1) OpenMP/MKL/TVM threads and
 torch.set_num_threads. On a shared machine, more threads than free cores make
-OpenMP kernels (eager's, inductor's, TVM's) spin and run tens of times slower.
+OpenMP kernels (eager's, inductor's, TVM's) spin and run far slower.
 
 Ratex subprocesses run with RATEX_CACHE_DIR="" (no persistent compile cache) and
 compile cells with a fresh TORCHINDUCTOR_CACHE_DIR, so first-step time is a cold

@@ -25,9 +25,9 @@ class Graph:
 def cut(roots: list) -> Graph:
     """Return the graph computing `roots` (values) from computed values.
 
-    Runs at every sync over every node: 45 nodes (scripted LeNet-5) take ~60 us,
-    756 (GPT) ~0.8 ms, so the per-input work is written out inline, and nodes are
-    their own dict keys (Node hashes by identity; an id() call per lookup cost more).
+    Runs at every sync over every node (45 in scripted LeNet-5, 756 in GPT), so the
+    per-input work is written out inline, and nodes are
+    their own dict keys (Node hashes by identity; an id() call per lookup costs more).
     """
     leaves, leaf_pos = [], {}
     nodes, node_pos = [], {}
