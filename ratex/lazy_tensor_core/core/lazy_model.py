@@ -1,5 +1,6 @@
-"""The lazy device's model API, as in Ratex and torch._lazy."""
+"""The lazy device's model API, as in Ratex, torch._lazy and torch_xla's xla_model."""
 import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ...core import sync
 from ...core.device import LAZY
@@ -33,5 +34,65 @@ def is_lazy_tensor(t) -> bool:
     return is_lazy(t)
 
 
-__all__ = ["lazy_device", "mark_step", "add_step_closure", "wait_device_ops", "is_lazy_tensor"]
+def sync_tensors(tensors):
+    """Compute the pending values of the lazy tensors in `tensors` (any iterable; other objects
+    are skipped) in one program, as torch._lazy.sync_multi; returns None."""
+    values = [t._value() for t in tensors if is_lazy(t)]
+    if values:
+        sync.execute(values)
 
+
+def to_cpu(data):
+    """Return `data` (tensors in nested lists, tuples and dicts) with every lazy tensor replaced by
+    a CPU copy, all computed in one sync. A tensor that appears twice is copied once, so ties
+    survive; parameters stay parameters, and requires_grad is kept."""
+    leaves, spec = tree_flatten(data)
+    sync_tensors(leaves)
+    copies = {}
+    out = []
+    for x in leaves:
+        if is_lazy(x):
+            cpu = copies.get(id(x))
+            if cpu is None:
+                cpu = copies[id(x)] = cpu_copy(x)
+            x = cpu
+        out.append(x)
+    return tree_unflatten(out, spec)
+
+
+def cpu_copy(t: torch.Tensor) -> torch.Tensor:
+    """Return a CPU copy of the lazy tensor `t`: a leaf, a Parameter where `t` is one, with its
+    requires_grad."""
+    cpu = t._to_cpu()  # one copy: `.cpu()` downloads and then copies again (aten._to_copy on the CPU)
+    if isinstance(t, torch.nn.Parameter):
+        return torch.nn.Parameter(cpu, requires_grad=t.requires_grad)
+    return cpu.requires_grad_(True) if t.requires_grad else cpu
+
+
+def save(data, file_or_path):
+    """torch.save `data` (a state_dict, an optimizer's, any nesting of them) with every lazy
+    tensor moved to the CPU first, all computed in one sync; returns None. The file loads with
+    torch.load's defaults (weights_only=True), onto the CPU. For state larger than half the
+    host's memory, `ratex.lazy_tensor_core.utils.serialization.save` moves one tensor at a time."""
+    torch.save(to_cpu(data), file_or_path)
+
+
+def reduce_gradients(optimizer):
+    """Sum the gradients of `optimizer`'s parameters across replicas; returns None. One lazy
+    device has no replicas: this is where the all-reduce of distributed training goes."""
+    return None
+
+
+def optimizer_step(optimizer, barrier: bool = False, optimizer_args=None):
+    """Run `optimizer.step(**optimizer_args)` after reducing gradients across replicas, and
+    `mark_step()` after it where `barrier` (a DeviceLoader marks steps itself); return what
+    step returned, as torch_xla's xm.optimizer_step."""
+    reduce_gradients(optimizer)
+    loss = optimizer.step(**(optimizer_args or {}))
+    if barrier:
+        mark_step()
+    return loss
+
+
+__all__ = ["lazy_device", "mark_step", "add_step_closure", "wait_device_ops", "is_lazy_tensor", "sync_tensors",
+           "to_cpu", "save", "optimizer_step", "reduce_gradients"]
