@@ -226,7 +226,7 @@ FOREACH_MIXED = {
     "mul list": lambda a, b: torch._foreach_mul(a, b),
     "addcmul_ scalarlist": lambda a, b: torch._foreach_addcmul_(a, b, b, [0.5, 0.25, 2.0, 3]),
     "sub_ scalar": lambda a, b: torch._foreach_sub_(a, 3),
-    "add transposed operand": lambda a, b: torch._foreach_add([a[0].t(), a[2]], [b[0].t(), b[2]], alpha=0.5),
+    "add transposed operand": lambda a, b: torch._foreach_add([a[0].t(), a[2]], [b[0].t(), b[2]]),
     "div_ by itself": lambda a, b: torch._foreach_div_(a[:3], a[:3]),
 }
 
