@@ -350,3 +350,18 @@ def test_zero_grad_records_nothing_or_zeros(dev, set_to_none):
         m(inp).pow(2).sum().backward()
     lm.mark_step()
     torch.testing.assert_close([p.grad.cpu() for p in model.parameters()], [p.grad for p in ref.parameters()])
+
+
+@pytest.mark.parametrize("make", [lambda p: torch.optim.Adam(p, lr=1e-2, amsgrad=True),
+                                  lambda p: torch.optim.Adamax(p, lr=1e-2)], ids=["adam-amsgrad", "adamax"])
+def test_default_foreach_with_maximum_matches_cpu(dev, make):
+    """Optimizers whose foreach step calls _foreach_maximum_ (no per-tensor maximum_ exists) run
+    by default on lazy parameters and match CPU."""
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(4, 3)
+    model = copy.deepcopy(ref).to(dev)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(5, 4, generator=g),) for _ in range(3)]
+    train_side_by_side(model, ref, make, batches, lambda m, x: m(x).pow(2).mean(), dev)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.cpu(), q, rtol=1e-4, atol=1e-5)

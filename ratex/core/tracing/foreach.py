@@ -40,6 +40,14 @@ def foreach(func, args, kwargs):
 def _per_element(func, args, kwargs, only=None):
     """Dispatch `op` on each element (those in `only`, if given); return the results as `foreach` does."""
     name = func._schema.name.split("::")[1][len("_foreach_"):]
+    if not hasattr(aten, name):  # maximum_, minimum_: no in-place op per tensor, so its functional one, copied in
+        functional_ = getattr(torch, name[:-1])
+        targets = args[0]
+        indices = range(len(targets)) if only is None else only
+        for i in indices:
+            rest = [a[i] if isinstance(a, (list, tuple)) else a for a in args[1:]]
+            targets[i].copy_(functional_(targets[i], *rest, **kwargs))
+        return None
     per_op = getattr(aten, name)
     n = len(args[0])
     call = (args, kwargs)
