@@ -110,8 +110,7 @@ def _gelu_grad(orig_var, orig_call, output_grad, bb):
     x = orig_call.args[0]
     if _dtype(x) == "float32":
         # Phi(x) from the forward's own output, gelu(x) / x: erf is a scalar libm call an element
-        # on CPU (the scripted GPT benchmark's two GELU gradients took 12 ms each with it, 0.3
-        # without). Near 0, where that is 0/0, Phi(x) = 1/2 + x phi(0) to float32's precision
+        # on CPU, which dominates the scripted GPT's GELU gradients; a division vectorizes. Near 0, where that is 0/0, Phi(x) = 1/2 + x phi(0) to float32's precision
         # (the next term, x^3 / (6 sqrt(2 pi)), is below 7e-11 there).
         near0 = op.less(op.abs(x), _const(1e-3, x))
         cdf = op.where(near0, op.add(_const(0.5, x), op.multiply(x, _const(1 / math.sqrt(2 * math.pi), x))),
@@ -242,8 +241,8 @@ def _relu_grad(orig_var, orig_call, output_grad, bb):
 @register_gradient("relax.matmul", level=11)  # overrides TVM's for a batched input times a matrix
 def _matmul_grad(orig_var, orig_call, output_grad, bb):
     # x (..., K) @ w (K, N), a linear layer: TVM's rule makes w's gradient a batched
-    # x^T @ g (..., K, N) and sums it over the batch dims afterwards (collapse_sum: in the
-    # scripted GPT benchmark 6.5 ms a layer, besides batched matmuls). As one 2-d product
+    # x^T @ g (..., K, N) and sums it over the batch dims afterwards (collapse_sum: a large,
+    # unscheduled reduction besides the batched matmuls). As one 2-d product
     # of the flattened rows, x2^T @ g2, it is a single matmul with nothing to sum.
     a, b = orig_call.args
     acc = orig_call.attrs.out_dtype
