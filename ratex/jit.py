@@ -1,15 +1,18 @@
-"""`ratex.jit.script(model)`: trace the forward once per input signature, differentiate it in TVM.
+"""`ratex.jit.script(model)`: capture the forward once per call signature, differentiate it in TVM.
 
 The returned module behaves like `model` (it shares its parameters, buffers and
 submodules, so `state_dict`, `.to()`, `train()`/`eval()` and optimizers built
-on `parameters()` all work). On the lazy device a call with inputs of a new
-signature (shapes, dtypes, requires_grad, train/eval) traces a CPU copy of the
-model with `torch.jit.trace`, converts the TorchScript graph to a Relax
-forward (`tvm_lowering.torchscript`), and records each later call as ONE lazy
-node `ratex::script_fwd(key, tensors)`; autograd's backward records ONE node
-`ratex::script_bwd(key, tensors + grad_outputs)` whose Relax body comes from
-`relax.transform.Gradient`. At `mark_step` both are inlined into the step's
-program with the loss and optimizer update.
+on `parameters()` all work). On the lazy device a call of a new signature (which
+arguments and keywords were given, their tensors' shapes, dtypes and
+requires_grad, the other arguments' values, train/eval) captures a CPU copy of
+the model (ratex/capture.py: TorchScript's trace, else torch.export), converts
+the graph to a Relax forward (`tvm_lowering.torchscript`, `tvm_lowering.exported`),
+and records each call as ONE lazy node `ratex::script_fwd(key, tensors)`;
+autograd's backward records ONE node `ratex::script_bwd(key, tensors + grad_outputs)`
+whose Relax body comes from `relax.transform.Gradient`. At `mark_step` both are
+inlined into the step's program with the loss and optimizer update. The outputs
+come back in the structure the model returns (tuples, dicts, Hugging Face's
+ModelOutput and caches).
 
 Training-mode state is explicit: each call draws one seed per training dropout
 from torch's generator, exactly as the plain lazy path's dropout does, records
@@ -19,28 +22,37 @@ and passes the masks as inputs; buffers the forward writes
 (BatchNorm's running stats, `num_batches_tracked`) come back as extra outputs
 that are copied into the module's buffers.
 
-Models that tracing cannot capture faithfully (the tracer raises, or warns:
-data-dependent control flow, `.item()`), or whose graph cannot be converted,
-get a warning and run on the plain lazy device, with the same results.
+Models that neither capture takes faithfully (data-dependent control flow,
+`.item()`), or whose graph cannot be converted, get a warning and run on the
+plain lazy device, with the same results.
+
+On the plain lazy device too, each LSTM/GRU/RNN call is one script node (see
+"RNNs on the plain lazy device" below).
 """
 import copy
 import hashlib
+import inspect
 import warnings
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-from torch.utils import _pytree as pytree
-from torch.utils.weak import WeakIdKeyDictionary
+from torch import fx, nn
 
-from tvm_lowering import LoweringError, torchscript
+from tvm_lowering import LoweringError, exported, torchscript
+from tvm_lowering.scriptgraph import Builder, ConversionError
+from . import capture
 from .core.tensor import LazyTensor, is_lazy
 from .core.tracing import random, registry
 
-__all__ = ["script", "ScriptModule"]
+__all__ = ["script", "ScriptModule", "CAPTURES"]
+
+# The captures `script` tries, in order. TorchScript's trace captures a small model in a
+# fraction of export's time (and export's first use in a process imports its machinery);
+# export takes what a trace cannot: writes through views, and graphs the converter refuses.
+CAPTURES = ("trace", "export")
 
 _scripts = {}  # key -> Script (conversion cache: graph text + metas, never the module repr)
-_cpu_runners = {}  # key -> _Runner for the CPU kernels (eager fallback)
+_cpu_runners = {}  # key -> fx.GraphModule computing the script's forward with ATen's CPU kernels
 
 
 # ---- the two custom ops -------------------------------------------------------------
@@ -74,7 +86,7 @@ _PLAIN_TLS = (torch._C._dispatch_tls_local_include_set(), torch._C._dispatch_tls
 @torch.library.impl(_lib, "script_fwd", "CPU")
 def _script_fwd_cpu(key, args):
     with torch._C._ForceDispatchKeyGuard(*_PLAIN_TLS), torch.no_grad():
-        outs = _cpu_runners[key](args)
+        outs = _cpu_runners[key](*args)
     return [o.detach().clone() for o in outs]
 
 
@@ -85,10 +97,18 @@ def _script_bwd_cpu(key, args):
     with torch._C._ForceDispatchKeyGuard(*_PLAIN_TLS), torch.enable_grad():
         inputs = [a.detach() for a in args[:n]]
         diff = [inputs[i].requires_grad_(True) for i in script.diff]
-        outs = _cpu_runners[key](inputs)[: script.n_outs]
+        outs = _cpu_runners[key](*inputs)[: script.n_outs]
         pairs = [(o, g) for o, g in zip(outs, args[n:]) if o.requires_grad]
         grads = torch.autograd.grad([o for o, _ in pairs], diff, [g for _, g in pairs], allow_unused=True)
     return [torch.zeros_like(d) if g is None else g.detach().clone() for g, d in zip(grads, diff)]
+
+
+def register(key: str, script):
+    """Make `script` (a tvm_lowering Script) callable as `key` by script_fwd/script_bwd: its Relax
+    functions for the lowering rules, its fx graph as the CPU kernels."""
+    _scripts[key] = script
+    torchscript.register(key, script)
+    _cpu_runners[key] = fx.GraphModule(nn.Module(), script.graph)
 
 
 def _call(op, key, tensors: list):
@@ -98,47 +118,6 @@ def _call(op, key, tensors: list):
     if not torch._C._len_torch_dispatch_stack() and all(type(t) is LazyTensor for t in tensors):
         return registry.dispatch(op, (key, tensors), {})
     return op(key, tensors)
-
-
-class _Runner:
-    """Runs the traced forward on CPU with given inputs, attributes, constants and dropout masks.
-
-    Returns the model's outputs and then the new values of the buffers it writes,
-    like the script's Relax forward.
-    """
-
-    def __init__(self, cpu_model, script, training):
-        self.model, self.script, self.training = cpu_model, script, training
-
-    def __call__(self, args):
-        s = self.script
-        inputs = args[: s.n_inputs]
-        attrs = dict(zip(s.attr_paths, args[s.n_inputs : s.n_inputs + len(s.attr_paths)]))
-        for path in s.writes:  # the forward writes these in place; the caller's stay as they are
-            attrs[path] = attrs[path].clone()
-        masks = args[len(args) - len(s.dropouts) :] if s.dropouts else []
-        self.model.train(self.training)
-        with _MaskedDropout(masks):
-            out = torch.func.functional_call(self.model, attrs, tuple(inputs), tie_weights=False, strict=False)
-        return pytree.tree_leaves(out) + [attrs[path] for path in s.writes]
-
-
-class _MaskedDropout(torch.overrides.TorchFunctionMode):
-    """Training dropouts take their keep masks from `masks`, in call order, as the script's do."""
-
-    def __init__(self, masks):
-        super().__init__()
-        self.masks = iter(masks)
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.dropout or func is torch.dropout:
-            names = ("input", "p", "training") if func is F.dropout else ("input", "p", "train")
-            a = dict(zip(names, args), **kwargs)
-            x, p, training = a["input"], a.get("p", 0.5), a.get(names[2], True)
-            if training and 0 < p < 1:
-                return random.apply_dropout(x, next(self.masks), p)
-        return func(*args, **kwargs)
 
 
 class _ScriptCall(torch.autograd.Function):
@@ -165,28 +144,98 @@ class _ScriptCall(torch.autograd.Function):
         return tuple(result)
 
 
+def call_script(key: str, tensors: list) -> list:
+    """The outputs of script `key` on `tensors` (lazy), recorded as one script_fwd node, and its
+    gradient as one script_bwd node where autograd will ask for one."""
+    script = _scripts[key]
+    if torch.is_grad_enabled() and any(tensors[i].requires_grad for i in script.diff):
+        return list(_ScriptCall.apply(key, *tensors))
+    return _call(torch.ops.ratex.script_fwd.default, key, tensors)
+
+
+def script_key(*parts) -> str:
+    """A script key: a hash of everything that decides the converted script."""
+    return "script_" + hashlib.sha1(repr(parts).encode()).hexdigest()[:20]
+
+
+# ---- RNNs on the plain lazy device ----------------------------------------------------
+# aten::lstm and its kin are composite: on the lazy device each call would record the
+# per-step, per-gate ATen ops of PyTorch's decomposition, and their backward op by op.
+# Above autograd, for lazy tensors, each call is instead one script call of the RNN alone,
+# unrolled by scriptgraph's Builder: one script_fwd node, one script_bwd node.
+_RNN_OPS = (torch.ops.aten.lstm.input, torch.ops.aten.gru.input, torch.ops.aten.rnn_tanh.input,
+            torch.ops.aten.rnn_relu.input)
+_rnn_lib = torch.library.Library("aten", "IMPL")
+
+
+_rnn_refused = {}  # key -> why the RNN could not be converted (it then records PyTorch's decomposition)
+
+
+def _rnn_script(op, hx, params, flags, tensors):
+    """The key of the script computing `op` on these tensors' metas and flags (built on first
+    use), or None where it cannot be converted."""
+    metas = [(tuple(t.shape), t.dtype, t.requires_grad) for t in tensors]
+    key = script_key("rnn", str(op), metas, flags)
+    if key in _rnn_refused:
+        return None
+    if key not in _scripts:
+        b = Builder()
+        nodes = [b.input(shape, dtype) for shape, dtype, _ in metas]
+        it = iter(nodes)
+        args = [next(it), [next(it) for _ in hx], [next(it) for _ in params], *flags]
+        if op is not torch.ops.aten.lstm.input:
+            args[1] = args[1][0]
+        diff = [i for i, (_, _, grad) in enumerate(metas) if grad]
+        try:
+            script = b.finish(list(b.call(op, args, {})), None, {}, diff)
+        except (ConversionError, LoweringError) as exc:
+            _rnn_refused[key] = str(exc)
+            return None
+        register(key, script)
+    return key
+
+
+def _rnn_impl(op):
+    def impl(x, hx, params, *flags):
+        hx = list(hx) if isinstance(hx, (list, tuple)) else [hx]
+        tensors = [x, *hx, *params]
+        # Fake tensors of a lazy device (torch.compile), RNNs the Builder refuses (proj_size) and
+        # calls under ratex.amp.autocast (whose casts apply to the decomposition's products)
+        # take PyTorch's decomposition.
+        lazy = all(type(t) is LazyTensor for t in tensors) and not torch._C._dispatch_tls_is_dispatch_key_included(
+            torch._C.DispatchKey.AutocastPrivateUse1)
+        key = _rnn_script(op, hx, params, tuple(flags), tensors) if lazy else None
+        if key is None:
+            return op.decompose(x, hx if op is torch.ops.aten.lstm.input else hx[0], params, *flags)
+        masks = [random.dropout_keep(LazyTensor.from_cpu(random.new_seed(), adopt=True), shape, p)
+                 for shape, p in _scripts[key].dropouts]
+        return tuple(call_script(key, tensors + masks))
+    return impl
+
+
+for _op in _RNN_OPS:
+    _rnn_lib.impl(_op._schema.name.split("::")[1] + "." + _op._overloadname, _rnn_impl(_op), "AutogradLazy")
+
+
 # ---- the module wrapper -----------------------------------------------------------
 class _Entry:
-    """What a signature resolved to: a script key, or None for the plain lazy path."""
+    """What a signature resolved to: a script key and how to call it, or key None for the plain lazy path."""
 
-    __slots__ = ("key", "script", "consts")
+    __slots__ = ("key", "script", "consts", "outputs")
 
-    def __init__(self, key, script, consts):
-        self.key, self.script, self.consts = key, script, consts
+    def __init__(self, key=None, script=None, consts=(), outputs=None):
+        self.key, self.script, self.consts, self.outputs = key, script, list(consts), outputs
 
 
 class ScriptModule(nn.Module):
     """`model` with a compiled, TVM-differentiated forward on the lazy device (see module doc)."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, captures=CAPTURES):
         super().__init__()
         object.__setattr__(self, "_orig", model)
-        # Share the model's own dicts: same Parameter objects, same state_dict keys.
-        self._parameters = model._parameters
-        self._buffers = model._buffers
-        self._modules = model._modules
-        self._non_persistent_buffers_set = model._non_persistent_buffers_set
-        self.training = model.training
+        capture.share(self, model)
+        object.__setattr__(self, "_captures", tuple(captures))
+        object.__setattr__(self, "_signature", None)
         object.__setattr__(self, "_cpu", None)
         object.__setattr__(self, "_entries", {})
 
@@ -210,37 +259,48 @@ class ScriptModule(nn.Module):
             return getattr(self._orig, name)
 
     def forward(self, *args, **kwargs):
-        if kwargs or not args or not all(isinstance(a, torch.Tensor) for a in args):
+        if args and not kwargs and all(isinstance(a, torch.Tensor) for a in args):
+            tensors, call = args, len(args)  # the common call: its key is its arity
+        else:
+            call = capture.Call.bind(self._sig(), args, kwargs)
+            if call is None or not call.tensors:
+                return self._orig(*args, **kwargs)
+            tensors = call.tensors
+        if not all(is_lazy(t) for t in tensors):  # scripting only matters on the lazy device
             return self._orig(*args, **kwargs)
-        if not any(is_lazy(a) for a in args) and not any(is_lazy(t) for _, t in self._attrs()):
-            return self._orig(*args)  # scripting only matters on the lazy device
         attrs = dict(self._attrs())
         sig = (
-            tuple((tuple(a.shape), a.dtype, a.requires_grad) for a in args),
+            call if type(call) is int else call.key,
+            tuple((tuple(a.shape), a.dtype, a.requires_grad) for a in tensors),
             tuple((name, tuple(t.shape), t.dtype, t.requires_grad) for name, t in attrs.items()),
             self.training,
         )
         entry = self._entries.get(sig)
         if entry is None:
-            entry = self._entries[sig] = self._prepare(args, attrs)
+            if type(call) is int:
+                call = capture.Call.bind(self._sig(), args, kwargs)
+            entry = self._entries[sig] = self._prepare(call, attrs)
         if entry.key is None:
-            return self._orig(*args)
+            return self._orig(*args, **kwargs)
         script = entry.script
         masks = [random.dropout_keep(LazyTensor.from_cpu(random.new_seed(), adopt=True), shape, p)
                  for shape, p in script.dropouts]
-        tensors = list(args) + [attrs[p] for p in script.attr_paths] + entry.consts + masks
+        tensors = list(tensors) + [attrs[p] for p in script.attr_paths] + entry.consts + masks
         if torch.is_grad_enabled() and any(tensors[i].requires_grad for i in script.diff):
             # Autograd keeps the inputs for the backward; the buffers written below must not
             # be among them (their version changes), so the call gets a snapshot of each.
             written = {script.attr_paths.index(p) + script.n_inputs for p in script.writes}
             tensors = [t.detach().clone() if i in written else t for i, t in enumerate(tensors)]
-            outs = _ScriptCall.apply(entry.key, *tensors)
-        else:
-            outs = _call(torch.ops.ratex.script_fwd.default, entry.key, tensors)
+        outs = call_script(entry.key, tensors)
         with torch.no_grad():
             for path, new in zip(script.writes, outs[script.n_outs :]):
                 attrs[path].copy_(new)
-        return pytree.tree_unflatten(list(outs[: script.n_outs]), script.out_spec)
+        return entry.outputs.rebuild(list(outs[: script.n_outs]))
+
+    def _sig(self) -> inspect.Signature:
+        if self._signature is None:
+            object.__setattr__(self, "_signature", inspect.signature(self._orig.forward))
+        return self._signature
 
     def _attrs(self):
         """(dotted name, tensor) of every parameter and buffer, tied ones under each name."""
@@ -252,111 +312,64 @@ class ScriptModule(nn.Module):
             object.__setattr__(self, "_cpu", _cpu_copy(self._orig))
         return self._cpu
 
-    def _prepare(self, args, attrs) -> _Entry:
+    def _prepare(self, call, attrs) -> _Entry:
         name = type(self._orig).__name__
-        try:
-            cpu = self._cpu_model()
-            cpu.train(self.training)
-            # Tracing runs the model (dropout draws random numbers): leave torch's generator
-            # where it was, so the seeds drawn per call stay those of the unscripted model.
-            with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
-                # Shape checks warn too, and shapes are what a trace is specialized on; data
-                # reads are caught by _DataReads instead.
-                warnings.simplefilter("ignore", torch.jit.TracerWarning)
-                examples = tuple(_example(a) for a in args)
-                with _DataReads(list(examples) + list(cpu.parameters()) + list(cpu.buffers())):
-                    traced = torch.jit.trace(cpu, examples, check_trace=False)
-            graph = traced.inlined_graph
-        except Exception as exc:  # noqa: BLE001  (any tracer failure means: don't script)
-            msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            warnings.warn(
-                f"ratex.jit.script: torch.jit.trace cannot capture {name} ({msg}); "
-                "running it on the lazy device without scripting",
-                stacklevel=3,
-            )
-            return _Entry(None, None, [])
-        diff_inputs = [i for i, a in enumerate(args) if a.requires_grad]
-        diff_attrs = {n for n, t in attrs.items() if t.requires_grad}
-        input_metas = [(tuple(a.shape), a.dtype) for a in args]
+        if call is None:
+            return _Entry()  # the arguments don't fit forward: let the model say so
+        input_metas = [(tuple(t.shape), t.dtype) for t in call.tensors]
         attr_metas = {n: (tuple(t.shape), t.dtype) for n, t in attrs.items()}
-        text = torchscript.graph_text(graph)
-        key = "script_" + hashlib.sha1(
-            repr((text, input_metas, sorted(attr_metas.items()), diff_inputs, sorted(diff_attrs))).encode()
-        ).hexdigest()[:20]
-        script = _scripts.get(key)
-        if script is None:
+        diff_inputs = [i for i, t in enumerate(call.tensors) if t.requires_grad]
+        diff_attrs = {n for n, t in attrs.items() if t.requires_grad}
+        failures = []
+        for how in self._captures:
             try:
-                script = torchscript.convert(graph, input_metas, attr_metas, diff_inputs, diff_attrs)
-            except (torchscript.ConversionError, LoweringError) as exc:
-                warnings.warn(
-                    f"ratex.jit.script: cannot convert {name} to Relax ({exc}); "
-                    "running it on the lazy device without scripting",
-                    stacklevel=3,
-                )
-                return _Entry(None, None, [])
-            _scripts[key] = script
-            torchscript.register(key, script)
-            _cpu_runners[key] = _Runner(cpu, script, self.training)
-        device = args[0].device
-        consts = [c.to(device) for c in script.consts]
-        return _Entry(key, script, consts)
+                cpu = self._cpu_model()
+                cpu.train(self.training)
+                flat = capture.Flat(cpu, call)
+                if how == "trace":
+                    graph = capture.trace(flat, input_metas)
+                    text = torchscript.graph_text(graph)
+                else:
+                    graph = capture.export(flat, input_metas)
+                    text = exported.graph_text(graph)
+            except Exception as exc:  # noqa: BLE001  (any capture failure means: try the next)
+                failures.append(f"{_CAPTURE_NAMES[how]}: {_first_line(exc)}")
+                continue
+            key = script_key(how, text, input_metas, sorted(attr_metas.items()), diff_inputs, sorted(diff_attrs))
+            script = _scripts.get(key)
+            if script is None:
+                try:
+                    if how == "trace":
+                        script = torchscript.convert(graph, input_metas, attr_metas, diff_inputs, diff_attrs)
+                    else:
+                        script = exported.convert(graph, attr_metas, diff_inputs, diff_attrs)
+                except (ConversionError, LoweringError) as exc:
+                    failures.append(f"{_CAPTURE_NAMES[how]}: cannot convert to Relax: {_first_line(exc)}")
+                    continue
+                register(key, script)
+            device = call.tensors[0].device
+            return _Entry(key, script, [c.to(device) for c in script.consts], flat.outputs)
+        warnings.warn(
+            f"ratex.jit.script: cannot capture {name} ({'; '.join(failures)}); "
+            "running it on the lazy device without scripting",
+            stacklevel=3,
+        )
+        return _Entry()
 
 
-class DataDependentError(RuntimeError):
-    """The forward reads tensor values into Python (control flow, .item()): a trace would freeze them."""
+_CAPTURE_NAMES = {"trace": "torch.jit.trace", "export": "torch.export"}
 
 
-_T = torch.Tensor
-_SHAPE_QUERIES = {
-    _T.size, _T.dim, _T.numel, _T.__len__, _T.shape.__get__, _T.ndim.__get__, _T.dtype.__get__,
-    _T.device.__get__, _T.is_floating_point, _T.requires_grad.__get__, _T.layout.__get__,
-}
-_VALUE_READS = {
-    _T.__bool__, _T.item, _T.__int__, _T.__float__, _T.__index__, _T.__complex__, _T.tolist, _T.numpy,
-}
-
-
-class _DataReads(torch.overrides.TorchFunctionMode):
-    """While tracing: raise where a value computed from inputs/parameters is read into Python.
-
-    Values computed only from shapes (e.g. `key.shape != value.shape` in attention) are fine:
-    the trace is specialized on shapes anyway.
-    """
-
-    def __init__(self, sources):
-        super().__init__()
-        self.derived = WeakIdKeyDictionary()
-        for t in sources:
-            self.derived[t] = True
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        from_data = any(t in self.derived for t in tensors)
-        if from_data and func in _VALUE_READS:
-            name = getattr(func, "__name__", str(func))
-            raise DataDependentError(
-                f"its forward reads tensor values into Python ({name}), e.g. data-dependent control flow"
-            )
-        out = func(*args, **kwargs)
-        if from_data and func not in _SHAPE_QUERIES:
-            for t in pytree.tree_leaves(out):
-                if isinstance(t, torch.Tensor):
-                    self.derived[t] = True
-        return out
-
-
-def _example(t: torch.Tensor) -> torch.Tensor:
-    """A CPU tensor of t's shape and dtype; values don't matter (data-dependence warns)."""
-    if t.dtype.is_floating_point or t.dtype.is_complex:
-        return torch.randn(t.shape, dtype=t.dtype)
-    return torch.zeros(t.shape, dtype=t.dtype)
+def _first_line(exc) -> str:
+    text = str(exc).strip()
+    line = text.splitlines()[0] if text else type(exc).__name__
+    return line if len(line) <= 300 else line[:297] + "..."
 
 
 def _cpu_copy(model: nn.Module) -> nn.Module:
     """A CPU copy of `model`'s structure and current values, detached from its parameters."""
     def cpu(t):
-        # Tracing doesn't read values (data-dependence warns), and the CPU kernels get
+        # Capturing doesn't read values (a read refuses the capture), and the CPU kernels get
         # the current values as arguments: lazy tensors aren't synced just to copy them.
         return torch.zeros(t.shape, dtype=t.dtype) if is_lazy(t) else t.detach().clone()
 
@@ -400,10 +413,18 @@ class _CumulativeBatchNorm:
         return out
 
 
-def script(model: nn.Module) -> ScriptModule:
-    """Return `model` with its forward traced, converted to Relax and differentiated by TVM."""
+def script(model: nn.Module, captures=CAPTURES) -> ScriptModule:
+    """Return `model` with its forward captured, converted to Relax and differentiated by TVM.
+
+    `captures` names the captures to try, in order: "trace" (TorchScript) and "export"
+    (torch.export); the default tries both.
+    """
     if isinstance(model, ScriptModule):
         return model
     if not isinstance(model, nn.Module):
         raise TypeError(f"ratex.jit.script expects an nn.Module, got {type(model).__name__}")
-    return ScriptModule(model)
+    captures = tuple(captures)
+    unknown = [c for c in captures if c not in _CAPTURE_NAMES]
+    if unknown or not captures:
+        raise ValueError(f"ratex.jit.script: captures must name some of {sorted(_CAPTURE_NAMES)}, got {captures!r}")
+    return ScriptModule(model, captures)

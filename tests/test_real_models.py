@@ -33,13 +33,6 @@ VOCAB, SEQ, BATCH = 64, 8, 2
 ALL = os.environ.get("RATEX_REAL_MODELS") == "all"
 slow = pytest.mark.skipif(not ALL, reason="slow to compile: run with RATEX_REAL_MODELS=all")
 
-KWARGS = ("jit.script runs a model called with keyword arguments on the plain lazy path without "
-          "scripting it, and says nothing (issue 21); called positionally, torch.jit.trace cannot return "
-          "its ModelOutput; and once traced, the backward of the model's own loss fails to compile "
-          "(see test_scripted_model_with_its_loss)")
-LOSS_GRAD = ("a scripted forward that computes cross_entropy: its Relax backward fails to compile "
-             "(InternalError: Check failed: intset.HasLowerBound() && intset.HasUpperBound()), so the "
-             "whole scripted backward runs on CPU (aten::script_bwd)")
 
 
 def _gpt2(tied=True):
@@ -170,7 +163,6 @@ def test_hf_tied_weights_stay_one_parameter(dev):
     assert len(list(model.parameters())) == len(list(_gpt2().parameters()))
 
 
-@pytest.mark.xfail(strict=True, reason=KWARGS)
 @pytest.mark.parametrize("name", HF)
 def test_hf_scripted_with_keywords_trains_like_cpu(dev, name):
     """`ratex.jit.script(model)` called as Hugging Face models are called (keywords; no padding
@@ -198,7 +190,6 @@ class _TinyLM(nn.Module):
         return F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
 
 
-@pytest.mark.xfail(strict=True, reason=LOSS_GRAD)
 def test_scripted_model_with_its_loss(dev):
     """A scripted model that returns its own loss trains like CPU, its backward lowered to TVM."""
     _check(_TinyLM, _hf_batches(), lambda m, ids, mask, labels: m(ids, labels), dev, script=True)
@@ -327,8 +318,6 @@ MASKED_FILL = ("masked_fill(mask, -inf) of the padding mask fails to compile (Ty
 KNOWN = {
     ("encoder-padding-mask", False): MASKED_FILL,
     ("encoder-padding-mask", True): MASKED_FILL + "; scripted, the whole forward and backward run on CPU",
-    ("lstm-lm", True): ("jit.script cannot convert aten.lstm.input (the rule returns the output alone, not "
-                        "output, h and c) and runs the model unscripted"),
     ("resnet-bn", True): ("relax.nn.adaptive_avg_pool2d has no gradient (FPrimalGradient): the scripted "
                           "backward runs on CPU (aten::script_bwd)"),
 }

@@ -110,8 +110,7 @@ def _gelu_grad(orig_var, orig_call, output_grad, bb):
     x = orig_call.args[0]
     if _dtype(x) == "float32":
         # Phi(x) from the forward's own output, gelu(x) / x: erf is a scalar libm call an element
-        # on CPU (the scripted GPT benchmark's two GELU gradients took 12 ms each with it, 0.3
-        # without). Near 0, where that is 0/0, Phi(x) = 1/2 + x phi(0) to float32's precision
+        # on CPU, which dominates the scripted GPT's GELU gradients; a division vectorizes. Near 0, where that is 0/0, Phi(x) = 1/2 + x phi(0) to float32's precision
         # (the next term, x^3 / (6 sqrt(2 pi)), is below 7e-11 there).
         near0 = op.less(op.abs(x), _const(1e-3, x))
         cdf = op.where(near0, op.add(_const(0.5, x), op.multiply(x, _const(1 / math.sqrt(2 * math.pi), x))),
@@ -242,8 +241,8 @@ def _relu_grad(orig_var, orig_call, output_grad, bb):
 @register_gradient("relax.matmul", level=11)  # overrides TVM's for a batched input times a matrix
 def _matmul_grad(orig_var, orig_call, output_grad, bb):
     # x (..., K) @ w (K, N), a linear layer: TVM's rule makes w's gradient a batched
-    # x^T @ g (..., K, N) and sums it over the batch dims afterwards (collapse_sum: in the
-    # scripted GPT benchmark 6.5 ms a layer, besides batched matmuls). As one 2-d product
+    # x^T @ g (..., K, N) and sums it over the batch dims afterwards (collapse_sum: a large,
+    # unscheduled reduction besides the batched matmuls). As one 2-d product
     # of the flattened rows, x2^T @ g2, it is a single matmul with nothing to sum.
     a, b = orig_call.args
     acc = orig_call.attrs.out_dtype
@@ -399,6 +398,43 @@ def _prelu_grad(orig_var, orig_call, output_grad, bb):
 def _dropout_grad(orig_var, orig_call, output_grad, bb):
     # TVM's dropout op draws no seed; a scripted dropout multiplies by a keep-mask input instead.
     raise NotImplementedError("gradient of relax.nn.dropout (its random mask cannot be replayed)")
+
+
+@register_gradient("relax.nn.nll_loss", level=11)  # overrides TVM's, which reads weights[ignore_index]
+def _nll_loss_grad(orig_var, orig_call, output_grad, bb):
+    # TVM's kernel masks ignore_index only when it is >= 0, and reads the class weight at
+    # every target: PyTorch's default ignore_index, -100 (Hugging Face pads labels with it),
+    # read out of bounds and counted in the mean. Here an ignored target weighs 0 and is
+    # read nowhere: -w[t] * g at the target's class, 0 elsewhere.
+    pred, target = orig_call.args[0], orig_call.args[1]
+    weights = orig_call.args[2] if len(orig_call.args) == 3 else None
+    reduction, ignore = str(orig_call.attrs.reduction), int(orig_call.attrs.ignore_index)
+    tdtype = _dtype(target)
+    valid = bb.normalize(op.not_equal(target, relax.const(ignore, tdtype)))
+    safe = bb.normalize(op.where(valid, target, relax.const(0, tdtype)))
+    zero = _const(0.0, pred)
+    if weights is None:
+        w = op.where(valid, _const(1.0, pred), zero)
+    else:
+        w = op.where(valid, op.take(weights, safe, axis=0), zero)
+    w = bb.normalize(w)
+    tshape = _shape(target)
+    if reduction == "mean":
+        g = op.divide(op.broadcast_to(output_grad, tshape), op.sum(w))
+    elif reduction == "sum":
+        g = op.broadcast_to(output_grad, tshape)
+    else:
+        g = output_grad
+    coef = op.negative(op.multiply(w, g))
+    pshape = _shape(pred)
+    classes = op.arange(pshape[1] if len(pshape) > 1 else pshape[0], dtype=tdtype)
+    if len(pshape) > 1:  # (N, C, d...): the class axis is 1
+        classes = op.reshape(classes, [1, pshape[1]] + [1] * (len(pshape) - 2))
+        hot, coef = op.equal(op.expand_dims(safe, 1), classes), op.expand_dims(coef, 1)
+    else:
+        hot = op.equal(safe, classes)
+    grads = [op.where(hot, coef, zero), op.grad.no_grad(target)]
+    return grads + ([op.grad.no_grad(weights)] if weights is not None else [])
 
 
 def _dependent_outputs(fwd: relax.Function, diff: list):

@@ -1,7 +1,7 @@
 """Calls of converted TorchScript forwards/backwards (`ratex::script_fwd`, `ratex::script_bwd`).
 
 The node's first argument is the key under which `register` holds a
-`tvm_lowering.torchscript.Script`; the rule inlines that script's Relax function
+`tvm_lowering.scriptgraph.Script`; the rule inlines that script's Relax function
 into the program being built, so fusion and common-subexpression elimination see
 across the call (the forward recomputed by the backward is the same expression as
 the forward). The forward's index checks become the program's, reported under the node.
@@ -16,7 +16,7 @@ _scripts = {}  # key -> Script
 
 
 def register(key: str, script):
-    """Make `script` (a torchscript.Script) reachable by `key` from the script_fwd/script_bwd rules."""
+    """Make `script` (a scriptgraph.Script) reachable by `key` from the script_fwd/script_bwd rules."""
     _scripts[key] = script
 
 
