@@ -1,6 +1,7 @@
 """The lazy device's model API, as in Ratex and torch._lazy."""
 import torch
 
+from ... import distributed
 from ...core import sync
 from ...core.device import LAZY
 from ...core.tensor import is_lazy
@@ -33,5 +34,18 @@ def is_lazy_tensor(t) -> bool:
     return is_lazy(t)
 
 
-__all__ = ["lazy_device", "mark_step", "add_step_closure", "wait_device_ops", "is_lazy_tensor"]
+# Data parallelism through torch.distributed (ratex/distributed.py).
+REDUCE_SUM, REDUCE_MUL, REDUCE_MIN, REDUCE_MAX = (
+    distributed.REDUCE_SUM, distributed.REDUCE_MUL, distributed.REDUCE_MIN, distributed.REDUCE_MAX)
+all_reduce = distributed.all_reduce
+all_gather = distributed.all_gather
+reduce_scatter = distributed.reduce_scatter
+reduce_gradients = distributed.reduce_gradients
+optimizer_step = distributed.optimizer_step
+xrt_world_size = distributed.world_size
+get_ordinal = distributed.rank
+
+__all__ = ["lazy_device", "mark_step", "add_step_closure", "wait_device_ops", "is_lazy_tensor",
+           "all_reduce", "all_gather", "reduce_scatter", "reduce_gradients", "optimizer_step",
+           "xrt_world_size", "get_ordinal"]
 
