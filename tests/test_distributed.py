@@ -1,9 +1,11 @@
 """Data parallelism through torch.distributed (gloo): two ranks, each on half the batch, train
 like one process on the whole batch.
 
-The ranks are two processes of this file (`python tests/test_distributed.py SCENARIO OUT`),
+The ranks are two processes of this file (`python tests/test_distributed.py WHAT OUT`),
 started once per module; each runs every scenario and saves what it saw, and the tests
-compare that with one process training on the whole batch.
+compare that with CPU PyTorch training on the whole batch in one process. (A lazy
+process on the whole batch would only add compiles: the ranks' programs are checked
+against CPU PyTorch directly.)
 """
 import datetime
 import os
@@ -101,6 +103,38 @@ SCENARIOS = [("lenet", "sgd", "lm", False)] + [
 ]
 
 
+def collectives(rank, dev):
+    """lm's collectives and torch.distributed's own calls on lazy tensors; return the results on CPU."""
+    import torch.distributed as dist
+    import ratex.lazy_tensor_core.core.lazy_model as lm
+
+    out = {}
+    a = torch.tensor([1.0, 2.0, 3.0]).to(dev) * (rank + 1)  # pending: computed before the collective
+    out["sum"] = lm.all_reduce(lm.REDUCE_SUM, a, scale=0.5).cpu()
+    out["a"] = a.cpu()  # a single tensor is not reduced in place
+    out["max"] = lm.all_reduce(lm.REDUCE_MAX, a).cpu()
+    b, c = torch.full((2, 2), float(rank)).to(dev), torch.tensor([rank + 1, 10]).to(dev)
+    lm.all_reduce(lm.REDUCE_SUM, [b, c])  # a list is reduced in place, one bucket per dtype
+    out["b"], out["c"] = b.cpu(), c.cpu()
+    out["gather"] = lm.all_gather(torch.full((2, 3), float(rank)).to(dev), dim=1).cpu()
+    x = (torch.arange(8.0).reshape(4, 2) + rank).to(dev)
+    out["scatter"] = lm.reduce_scatter(lm.REDUCE_SUM, x, scale=1.0, scatter_dim=0).cpu()
+    y = torch.ones(4).to(dev) * (rank + 1)
+    base = torch.zeros(4).to(dev)
+    view = base[1:3]
+    view.add_(rank + 1)
+    dist.all_reduce(y)
+    dist.all_reduce(view)  # through a view: its base sees the sum
+    out["dist_y"], out["dist_base"] = y.cpu(), base.cpu()
+    w = torch.full((3,), float(rank)).to(dev)
+    dist.broadcast(w, src=1)
+    out["broadcast"] = w.cpu()
+    parts = [torch.empty(2).to(dev) for _ in range(WORLD)]
+    dist.all_gather(parts, torch.full((2,), float(rank + 5)).to(dev))
+    out["dist_gather"] = torch.stack([p.cpu() for p in parts])
+    return out
+
+
 def _worker(what: str, out: str):
     """One rank: run `what` ('train', or 'fail' where rank 1 raises), save results to OUT.rank."""
     import torch.distributed as dist
@@ -115,9 +149,10 @@ def _worker(what: str, out: str):
     if what == "fail":
         if rank == 1:
             raise RuntimeError("rank 1 fails on purpose")
-        train("mlp", "sgd", "lm", dev, rank, WORLD)
+        x = torch.ones(4).to(dev) * 2  # pending: the all-reduce computes it first
+        lm.all_reduce(lm.REDUCE_SUM, [x])
         return
-    results = {}
+    results = {"collectives": collectives(rank, dev)}
     for scenario in SCENARIOS:
         config.PARAM_ALIASING = scenario[3]
         results[scenario] = train(*scenario[:3], dev, rank, WORLD)
@@ -155,33 +190,23 @@ def _wait(procs, what: str) -> list:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """What each rank saw, and one process on the whole batch per (model, optimizer, aliasing),
-    trained here while the ranks run."""
-    from ratex import config
-    import ratex.lazy_tensor_core.core.lazy_model as lm
-
+def ranks(tmp_path_factory):
+    """What each rank saw, per scenario."""
     out = tmp_path_factory.mktemp("dist") / "results"
-    procs = _start("train", out)
-    single, saved = {}, config.PARAM_ALIASING
-    try:
-        for model, opt, _, aliasing in SCENARIOS:
-            if (model, opt, aliasing) not in single:
-                config.PARAM_ALIASING = aliasing
-                single[model, opt, aliasing] = train(model, opt, "lm", lm.lazy_device())
-    finally:
-        config.PARAM_ALIASING = saved
-        results = _wait(procs, "train")
-    for code, err in results:
+    for code, err in _wait(_start("train", out), "train"):
         assert code == 0, err[-3000:]
-    return [torch.load(f"{out}.{r}") for r in range(WORLD)], single
+    return [torch.load(f"{out}.{r}") for r in range(WORLD)]
+
+
+def _whole_batch(model, opt):
+    """CPU PyTorch, one process, the whole batch: losses, parameters, elements of optimizer state."""
+    return train(model, opt, "lm", torch.device("cpu"))
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=["-".join(s[:3]) + ("-aliasing" if s[3] else "") for s in SCENARIOS])
-def test_two_ranks_train_like_one_process(runs, scenario):
-    ranks, single = runs
+def test_two_ranks_train_like_one_process(ranks, scenario):
     model, opt, mode, aliasing = scenario
-    ref_losses, ref_params, _ = single[model, opt, aliasing]
+    ref_losses, ref_params, _ = _whole_batch(model, opt)
     for rank in ranks:
         losses, params, _ = rank[scenario]
         torch.testing.assert_close(losses, ref_losses, rtol=RTOL, atol=ATOL)
@@ -192,23 +217,61 @@ def test_two_ranks_train_like_one_process(runs, scenario):
         assert torch.equal(a, b)
 
 
-def test_single_process_matches_cpu(runs):
-    """The reference itself: one lazy process trains as CPU PyTorch does."""
-    for (model, opt, _), (losses, params, _) in runs[1].items():
-        cpu_losses, cpu_params, _ = train(model, opt, "lm", torch.device("cpu"))
-        torch.testing.assert_close(losses, cpu_losses, rtol=1e-4, atol=1e-5)
-        for p, r in zip(params, cpu_params):
-            torch.testing.assert_close(p, r, rtol=1e-4, atol=1e-5)
+def test_collectives(ranks):
+    for rank, seen in enumerate(r["collectives"] for r in ranks):
+        expect = {
+            "sum": torch.tensor([1.5, 3.0, 4.5]),
+            "a": torch.tensor([1.0, 2.0, 3.0]) * (rank + 1),
+            "max": torch.tensor([2.0, 4.0, 6.0]),
+            "b": torch.full((2, 2), 1.0),
+            "c": torch.tensor([3, 20]),
+            "gather": torch.cat([torch.zeros(2, 3), torch.ones(2, 3)], 1),
+            "scatter": (2 * torch.arange(8.0).reshape(4, 2) + 1)[2 * rank:2 * rank + 2],
+            "dist_y": torch.full((4,), 3.0),
+            "dist_base": torch.tensor([0.0, 3.0, 3.0, 0.0]),
+            "broadcast": torch.ones(3),
+            "dist_gather": torch.tensor([[5.0, 5.0], [6.0, 6.0]]),
+        }
+        assert set(seen) == set(expect)
+        for name, value in expect.items():
+            torch.testing.assert_close(seen[name], value, rtol=0, atol=0, msg=f"{name} on rank {rank}")
 
 
 @pytest.mark.parametrize("aliasing", [False, True], ids=["", "aliasing"])
-def test_zero_shards_the_adam_state(runs, aliasing):
-    ranks, single = runs
-    whole = single["mlp", "adam", aliasing][2]
+def test_zero_shards_the_adam_state(ranks, aliasing):
+    whole = _whole_batch("mlp", "adam")[2]
     held = [rank["mlp", "adam", "zero", aliasing][2] for rank in ranks]
     assert sum(held) == whole  # every moment is held once, by one rank
     for h in held:
         assert 0.3 * whole <= h <= 0.7 * whole, f"a rank holds {h} of {whole} state elements"
+
+
+def test_without_a_process_group(dev, monkeypatch):
+    """One process: the step needs no all-reduce; a process torchrun started as one of several raises."""
+    import ratex.lazy_tensor_core.core.lazy_model as lm
+
+    model = torch.nn.Linear(3, 2).to(dev)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.ones(1, 3).to(dev)).sum().backward()
+    before = [p.grad.cpu() for p in model.parameters()]
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    lm.reduce_gradients(opt)
+    for p, g in zip(model.parameters(), before):
+        assert torch.equal(p.grad.cpu(), g)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        lm.optimizer_step(opt)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        lm.all_reduce(lm.REDUCE_SUM, model.weight)
+
+
+def test_bad_arguments_are_named():
+    from ratex import distributed
+
+    with pytest.raises(ValueError, match="reduce_type='avg'"):
+        distributed._reduce_op("avg")
+    with pytest.raises(TypeError, match="lazy tensors; got a tensor on cpu"):
+        distributed._check_lazy([torch.ones(2)], "all_reduce")
 
 
 def test_a_failing_rank_fails_the_others(tmp_path):
