@@ -115,9 +115,14 @@ def _check_lazy(tensors, what: str):
 
 
 def _materialize(tensors):
-    """Compute everything pending (one program: what a step traced so far) if `tensors` need it."""
-    if any(t._value()[0].results[t._value()[1]] is None for t in tensors):
+    """Compute everything pending (one program: what the step traced so far), then the values of
+    `tensors` that are views of what it computed (a transposed weight's gradient), in one more."""
+    values = [t._value() for t in tensors]
+    if any(node.results[idx] is None for node, idx in values):
         sync.mark_step()
+        views = [v for v in (t._value() for t in tensors) if v[0].results[v[1]] is None]
+        if views:
+            sync.execute(views)
 
 
 def _comm_copy(t: LazyTensor, cuda: bool) -> torch.Tensor:
