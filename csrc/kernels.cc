@@ -9,6 +9,10 @@
 // string, then, for the destination-passing `*_out` kernels, the output to write.
 // Tensors are viewed as at::Tensor without copies; results of the other kernels are
 // handed back as ffi Tensors that own the at::Tensor they were made from.
+//
+// Built against a torch with CUDA (RATEX_WITH_CUDA, see CMakeLists.txt), the kernels take
+// CUDA tensors too, and run torch's CUDA kernels on the stream TVM runs the program on
+// (tvm-ffi's environment stream), so they queue in order with TVM's own kernels.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/_log_softmax.h>
 #include <ATen/ops/_log_softmax_backward_data.h>
@@ -33,9 +37,15 @@
 #include <ATen/ops/zeros.h>
 #include <c10/core/InferenceMode.h>
 #include <tvm/ffi/container/array.h>
+#include <tvm/ffi/extra/c_env_api.h>
 #include <tvm/ffi/container/tensor.h>
 #include <tvm/ffi/function.h>
 #include <tvm/ffi/string.h>
+
+#ifdef RATEX_WITH_CUDA
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
 
 #include <cctype>
 #include <cstdlib>
@@ -242,12 +252,33 @@ DLDataType dl_type(at::ScalarType t) {
   }
 }
 
+// The torch device of a DLPack device these kernels handle.
+at::Device torch_device(DLDevice device, int i) {
+  if (device.device_type == kDLCPU) return at::Device(at::kCPU);
+#ifdef RATEX_WITH_CUDA
+  if (device.device_type == kDLCUDA) return at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(device.device_id));
+  TVM_FFI_THROW(ValueError) << "argument " << i << " is neither a CPU nor a CUDA tensor (DLPack device type "
+                            << int(device.device_type) << ")";
+#else
+  TVM_FFI_THROW(ValueError) << "argument " << i << " is not a CPU tensor (DLPack device type " << int(device.device_type)
+                            << "), and this library was built without CUDA";
+#endif
+}
+
+DLDevice dl_device(const at::Device& device) {
+  if (device.is_cpu()) return DLDevice{kDLCPU, 0};
+#ifdef RATEX_WITH_CUDA
+  if (device.is_cuda()) return DLDevice{kDLCUDA, device.index()};
+#endif
+  TVM_FFI_THROW(ValueError) << "no DLPack device for torch device " << device.str();
+}
+
 // A view of argument `i` as an at::Tensor. The caller keeps the tensor alive for the call.
 at::Tensor tensor_arg(const ffi::PackedArgs& args, int i) {
   auto dl = args[i].try_cast<DLTensor*>();
   if (!dl.has_value()) TVM_FFI_THROW(TypeError) << "argument " << i << " must be a tensor, got " << args[i].GetTypeKey();
   const DLTensor* t = *dl;
-  if (t->device.device_type != kDLCPU) TVM_FFI_THROW(ValueError) << "argument " << i << " is not a CPU tensor";
+  at::Device device = torch_device(t->device, i);
   std::vector<int64_t> sizes(t->shape, t->shape + t->ndim), strides(t->ndim);
   if (t->strides != nullptr) {
     strides.assign(t->strides, t->strides + t->ndim);
@@ -255,7 +286,7 @@ at::Tensor tensor_arg(const ffi::PackedArgs& args, int i) {
     for (int64_t d = t->ndim - 1, step = 1; d >= 0; --d) strides[d] = step, step *= sizes[d];
   }
   void* data = static_cast<char*>(t->data) + t->byte_offset;
-  return at::from_blob(data, sizes, strides, at::TensorOptions().dtype(scalar_type(t->dtype)));
+  return at::from_blob(data, sizes, strides, at::TensorOptions().dtype(scalar_type(t->dtype)).device(device));
 }
 
 // Keeps the at::Tensor whose memory an ffi Tensor lends; freed with the ffi Tensor.
@@ -270,7 +301,7 @@ struct ATenOwner {
 ffi::Tensor to_ffi(const at::Tensor& result) {
   at::Tensor t = result.contiguous();
   ffi::ShapeView shape(t.sizes().data(), t.dim());
-  return ffi::Tensor::FromNDAlloc(ATenOwner{t}, shape, dl_type(t.scalar_type()), DLDevice{kDLCPU, 0});
+  return ffi::Tensor::FromNDAlloc(ATenOwner{t}, shape, dl_type(t.scalar_type()), dl_device(t.device()));
 }
 
 at::Tensor maybe_t(const at::Tensor& x, bool transposed) { return transposed ? x.transpose(-2, -1) : x; }
@@ -318,14 +349,16 @@ void convolution_backward(ffi::PackedArgs args, ffi::Any* rv) {
   if (mask.size() != 3) TVM_FFI_THROW(ValueError) << "convolution_backward: output_mask must have 3 entries";
   std::optional<std::vector<int64_t>> bias_sizes;
   if (!cfg["bias_sizes"].is_null()) bias_sizes = cfg["bias_sizes"].as_ints();
+  at::Tensor g = tensor_arg(args, 0);
   auto [gx, gw, gb] = at::convolution_backward(
-      tensor_arg(args, 0), tensor_arg(args, 1), tensor_arg(args, 2),
+      g, tensor_arg(args, 1), tensor_arg(args, 2),
       bias_sizes ? at::OptionalIntArrayRef(*bias_sizes) : at::OptionalIntArrayRef(), cfg["stride"].as_ints(),
       cfg["padding"].as_ints(), cfg["dilation"].as_ints(), cfg["transposed"].as_bool(), cfg["output_padding"].as_ints(),
       cfg["groups"].as_int(), {mask[0], mask[1], mask[2]});
   ffi::Array<ffi::Tensor> outs;
-  for (const at::Tensor& g : {gx, gw, gb}) {
-    outs.push_back(to_ffi(g.defined() ? g : at::zeros({1})));  // (an output not asked for: a placeholder)
+  for (const at::Tensor& grad : {gx, gw, gb}) {
+    // (an output not asked for: a float32 placeholder, as library.py types it)
+    outs.push_back(to_ffi(grad.defined() ? grad : at::zeros({1}, at::TensorOptions().device(g.device()))));
   }
   *rv = outs;
 }
@@ -448,13 +481,39 @@ void aten_out(ffi::PackedArgs args, ffi::Any* rv) {
   }
 }
 
+#ifdef RATEX_WITH_CUDA
+// The CUDA device of the call's first tensor, or -1 where it has none (a CPU call).
+int cuda_device_of(const ffi::PackedArgs& args) {
+  for (int i = 0; i < args.size(); ++i) {
+    auto dl = args[i].try_cast<DLTensor*>();
+    if (dl.has_value()) return (*dl)->device.device_type == kDLCUDA ? (*dl)->device.device_id : -1;
+  }
+  return -1;
+}
+
+// The stream TVM runs the calling program on: the environment stream that tvm-ffi set for
+// the call (torch's current stream where the program was given torch tensors), else the
+// default stream, which is what TVM launches on when none is set.
+c10::cuda::CUDAStream program_stream(int device) {
+  auto index = static_cast<c10::DeviceIndex>(device);
+  void* stream = TVMFFIEnvGetStream(kDLCUDA, device);
+  if (stream == nullptr) return c10::cuda::getDefaultCUDAStream(index);
+  return c10::cuda::getStreamFromExternal(static_cast<cudaStream_t>(stream), index);
+}
+#endif
+
 // Runs a kernel with ATen's errors turned into ffi errors (raised in Python as RuntimeError),
-// and in inference mode: these tensors never need autograd's bookkeeping.
+// and in inference mode: these tensors never need autograd's bookkeeping. A CUDA call runs
+// on the program's device and stream.
 template <void (*Kernel)(ffi::PackedArgs, ffi::Any*)>
 ffi::Function kernel(const char* name) {
   return ffi::Function::FromPacked([name](ffi::PackedArgs args, ffi::Any* rv) {
     try {
       c10::InferenceMode guard;
+#ifdef RATEX_WITH_CUDA
+      std::optional<c10::cuda::CUDAStreamGuard> on_stream;
+      if (int device = cuda_device_of(args); device >= 0) on_stream.emplace(program_stream(device));
+#endif
       Kernel(args, rv);
     } catch (const c10::Error& e) {
       TVM_FFI_THROW(RuntimeError) << "ratex.lib." << name << ": " << e.what_without_backtrace();
@@ -492,3 +551,12 @@ extern "C" int RatexRegisterNativeKernels() {
 // The torch version this library was compiled against: a library built for another
 // torch must not be loaded (its ATen ABI may differ).
 extern "C" const char* RatexNativeTorchVersion() { return RATEX_TORCH_VERSION; }
+
+// 1 where the kernels take CUDA tensors (built against a torch with CUDA), else 0.
+extern "C" int RatexNativeCuda() {
+#ifdef RATEX_WITH_CUDA
+  return 1;
+#else
+  return 0;
+#endif
+}

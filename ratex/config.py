@@ -72,6 +72,15 @@ def _tune_trials() -> int:
     return trials
 
 
+def _cuda_graph() -> bool:
+    """RATEX_CUDA_GRAPH: programs replay CUDA graphs, on a target that has them."""
+    on = _flag("RATEX_CUDA_GRAPH", False)
+    if on and not targets.resolve_target(DEVICE).cuda_graphs:
+        raise ValueError(f"RATEX_CUDA_GRAPH={os.environ['RATEX_CUDA_GRAPH']!r}: CUDA graphs are for "
+                         f"RATEX_DEVICE=GPU, but RATEX_DEVICE={DEVICE}")
+    return on
+
+
 # ---- the target and how a program is compiled --------------------------------------------
 DEVICE = _choice("RATEX_DEVICE", "CPU", targets.names())  # a target registered in tvm_lowering/targets.py
 # How heavy ops (matmul, conv) run: TVM-generated code, or the kernel library
@@ -89,6 +98,9 @@ CPU_SCHEDULE = _flag("RATEX_CPU_SCHEDULE", True)
 PARAM_ALIASING = _flag("ENABLE_PARAM_ALIASING", False)
 
 # ---- how programs run ---------------------------------------------------------------------
+# CUDA graphs: a GPU program's kernels that touch only its intermediates and the tensors the step
+# updates in place (buffer donation) are captured once and replayed (tvm_lowering/cuda_graph.py).
+CUDA_GRAPH = _cuda_graph()
 # Programs run on a worker thread, overlapping the tracing of the next step; false runs them inline.
 ASYNC = _flag("RATEX_ASYNC", True)
 # Compiled CPU programs run on the native runner's thread (csrc/runner.cc), which never takes

@@ -1,16 +1,21 @@
 #!/usr/bin/env python
-"""OpInfo conformance of the lazy device against CPU PyTorch.
+"""Conformance of the lazy device against CPU PyTorch, swept over PyTorch's own test databases.
 
-For every entry of PyTorch's OpInfo database (`op_db`) that supports float32 on
-CPU, run its samples on CPU and on the lazy device and compare:
+Three sweeps, one status per entry and phase:
 
-  forward   every sample's outputs (torch.testing.assert_close, rtol 1e-4,
-            atol 1e-5, equal_nan)
-  backward  (entries with op.supports_autograd) the gradients of the sum of all
-            differentiable float outputs w.r.t. every float input that
-            requires grad
-
-Each direction of an entry gets one status:
+  ops (default)  every float32 entry of OpInfo's `op_db`:
+            forward   every sample's outputs (torch.testing.assert_close, rtol 1e-4,
+                      atol 1e-5, equal_nan)
+            backward  (entries with op.supports_autograd) the gradients of the sum of all
+                      differentiable float outputs w.r.t. every float input that requires grad
+  --modules every float32 entry of ModuleInfo's `module_db`, in train mode, and in eval mode
+            where the module behaves differently: per sample, one lazy step with the forward,
+            a backward with random output cotangents and one SGD step, compared stage by stage
+            (outputs; input and parameter gradients, atol 1e-4; buffers such as running
+            statistics; parameters after the step). A failure names its stage.
+  --optims  every config of OptimizerInfo's `optim_db` for CPU, for-loop and foreach (where the
+            optimizer has one): 5 training steps of a small model, losses and final parameters
+            compared; the compiles after each step are in --details.
 
   pass      every sample matched and nothing ran eagerly on CPU
   fallback  every sample matched, but some `aten::<op>` counter moved (an op
@@ -19,22 +24,28 @@ Each direction of an entry gets one status:
   skip      no sample could be checked (every sample failed on CPU itself, or
             produced nothing differentiable); not counted in the figures
 
-Samples that raise on CPU are skipped. Samples whose CPU result is not
+Samples that raise on CPU are skipped. Op samples whose CPU result is not
 reproducible (random ops: two CPU runs differ, or a random ATen op ran, even
 one OpInfo reseeds) and ops that return uninitialized memory (`empty*`) are
-compared by structure, shape and dtype only.
+compared by structure, shape and dtype only; so are module samples whose two
+CPU runs differ.
 
 Each entry runs in a worker subprocess (a pool of --workers, recycled after
 --max-tasks tasks), so a crash, a hang (--timeout) or a memory blow-up
 (--max-rss-gb) costs that entry only: it counts as `fail`.
 
-    python scripts/conformance.py                    # all entries, print the figures
+    python scripts/conformance.py                    # all op entries, print the figures
     python scripts/conformance.py --write            # ... and update tests/conformance_expectations.json
     python scripts/conformance.py --ops add,cumsum --verbose
     python scripts/conformance.py --details out.json # per-entry messages and fallback counters
+    python scripts/conformance.py --modules --write  # module_db into tests/conformance_modules.json
+    python scripts/conformance.py --modules nn.LSTM,nn.GRU -v
+    python scripts/conformance.py --optims --write   # optim_db into tests/conformance_optims.json
+    python scripts/conformance.py --optims Adam,SGD/momentum -v
 
-The functions `entry_key`, `entries` and `check_entry` are also used in-process
-by tests/test_conformance.py.
+`entries` and `check_entry` (ops) and the Sweep objects in SWEEPS (entries, phases and
+check function of each sweep) are also used in-process by tests/test_conformance.py and
+tests/test_conformance_sweeps.py.
 """
 import argparse
 import collections
@@ -42,6 +53,7 @@ import copy
 import json
 import os
 import re
+import signal
 import sys
 import time
 import traceback
@@ -162,6 +174,25 @@ def _to_lazy(parts, device):
             return x
         y = x.detach().to(device)
         return y.requires_grad_(True) if x.requires_grad else y
+
+    return tree_map(one, parts)
+
+
+def _to_device_aliased(parts, device):
+    """The tensors of `parts` on `device`, one copy per distinct tensor: a tensor passed twice
+    (attention's query, key and value) stays one leaf, so its gradients add up as on CPU."""
+    import torch
+    from torch.utils._pytree import tree_map
+
+    memo = {}
+
+    def one(x):
+        if not isinstance(x, torch.Tensor):
+            return x
+        if id(x) not in memo:
+            y = x.detach().to(device)
+            memo[id(x)] = (x, y.requires_grad_(True) if x.requires_grad else y)
+        return memo[id(x)][1]
 
     return tree_map(one, parts)
 
@@ -341,13 +372,7 @@ def check_entry(op, phase, max_samples=DEFAULT_MAX_SAMPLES, device=None, seed=0)
                               where=_where(e))
                 break
             checked += 1
-            fallbacks.update(info["fallbacks"])
-            notes.update(info["notes"])
-            result["metadata_only"] |= info["metadata_only"]
-            if status == "fallback" and result["status"] != "fail":
-                result["status"] = "fallback"
-            elif result["status"] == "skip":
-                result["status"] = "pass"
+            _count_sample(result, status, info, fallbacks, notes)
         result["samples"] = checked
         result["fallbacks"] = sorted(fallbacks)
         result["notes"] = sorted(notes)[:5]
@@ -357,6 +382,17 @@ def check_entry(op, phase, max_samples=DEFAULT_MAX_SAMPLES, device=None, seed=0)
         result.update(status="skip", skip_reason="sample_inputs: " + _short(e))
         _flush()
     return result
+
+
+def _count_sample(result, status, info, fallbacks, notes):
+    """Fold one checked sample (its status, fallback counters and notes) into its entry's result."""
+    fallbacks.update(info["fallbacks"])
+    notes.update(info["notes"])
+    result["metadata_only"] |= info["metadata_only"]
+    if status == "fallback" and result["status"] != "fail":
+        result["status"] = "fallback"
+    elif result["status"] == "skip":
+        result["status"] = "pass"
 
 
 def _where(exc):
@@ -369,17 +405,392 @@ def _where(exc):
 
 
 # --------------------------------------------------------------------------- #
+# nn modules (--modules): ModuleInfo's module_db
+# --------------------------------------------------------------------------- #
+
+MODULE_EXPECTATIONS = os.path.join(ROOT, "tests", "conformance_modules.json")
+MODULE_PHASES = ("train", "eval")
+MODULE_SGD_LR = 0.1
+GRAD_ATOL = 1e-4  # gradients sum over a batch: float32 reduction order moves them more than outputs
+
+
+def module_entries(names=None):
+    """{name: ModuleInfo} for the float32 module_db entries (all, or those in `names`)."""
+    import torch
+    from torch.testing._internal.common_modules import module_db
+
+    return {m.name: m for m in module_db
+            if torch.float32 in m.dtypes and (names is None or m.name in names)}
+
+
+def module_phases(info):
+    """The modes an entry is checked in: train, and eval where the module behaves differently."""
+    return MODULE_PHASES if info.train_and_eval_differ else MODULE_PHASES[:1]
+
+
+def _spread(items, k):
+    """At most k items, evenly spaced over the list (samples come grouped by variant)."""
+    n = len(items)
+    if not k or n <= k:
+        return list(items)
+    return [items[round(i * (n - 1) / (k - 1))] for i in range(k)] if k > 1 else items[:1]
+
+
+def _build_module(info, cargs, ckwargs, seed):
+    import torch
+
+    torch.manual_seed(seed)
+    return info.module_cls(*cargs, **ckwargs)
+
+
+def _grads_of(tensors):
+    return [t.grad for t in tensors]
+
+
+def _named_grads(parts, module):
+    """{"input i" / parameter name: its .grad}, for the forward inputs and the module's parameters."""
+    out = {f"input {i}": t.grad for i, t in enumerate(_tensors(parts)) if t.requires_grad}
+    out.update((k, p.grad) for k, p in module.named_parameters())
+    return out
+
+
+class _Mismatch(AssertionError):
+    """A lazy result differs from CPU's (the message names which tensor and by how much)."""
+
+
+class _Stage:
+    """Names the stage of a module check an exception came from (forward, backward, step, sync)."""
+
+    def __init__(self):
+        self.name = "construct"
+
+
+def _module_sample(info, sample, training, device, seed, stage):
+    """Check one ModuleInput; return ("pass"|"fallback", info) or raise for a failure on the lazy side.
+
+    One lazy step holds the sample's forward, its backward with random output cotangents, and one
+    SGD step; it is compared with CPU's stage by stage: outputs, input and parameter gradients,
+    buffers (running statistics), parameters after the step.
+    """
+    import torch
+
+    import ratex.lazy_tensor_core.core.lazy_model as lm
+    from ratex.lazy_tensor_core.debug import metrics
+
+    cons, fwd = sample.constructor_input, sample.forward_input
+    cpu_fwd = _own_storage((fwd.args, fwd.kwargs))
+    lazy_cons = _to_device_aliased(_copy_parts((cons.args, cons.kwargs)), device)
+    lazy_fwd = _to_device_aliased(_copy_parts(cpu_fwd), device)
+
+    def forward(module, parts):
+        module.train(training)
+        args, kwargs = parts
+        return module(*args, **kwargs)
+
+    def backward(out, make_grad):
+        outs = [t for t in _tensors(out) if t.is_floating_point() and t.requires_grad]
+        if outs:
+            torch.autograd.backward(outs, [make_grad(t) for t in outs])
+
+    def run(module, parts, make_grad):
+        out = forward(module, parts)
+        backward(out, make_grad)
+        return out
+
+    def cotangents(dev):
+        g = torch.Generator().manual_seed(seed + 1)
+        return lambda t: torch.randn(t.shape, generator=g, dtype=t.dtype).to(dev)
+
+    def step(module):
+        params = [p for p in module.parameters() if p.grad is not None]
+        if params:
+            torch.optim.SGD(params, lr=MODULE_SGD_LR).step()
+
+    try:
+        parts = _copy_parts(cpu_fwd)
+        ref = _build_module(info, *_copy_parts((cons.args, cons.kwargs)), seed)
+        if info.is_lazy:
+            with torch.no_grad():
+                forward(ref, _copy_parts(cpu_fwd))
+        init = copy.deepcopy(ref)
+        again = copy.deepcopy(ref)
+        want = forward(ref, parts)
+        backward(want, cotangents("cpu"))
+        want_grads = _named_grads(parts, ref)
+        step(ref)
+        again_parts = _copy_parts(cpu_fwd)
+        again_out = run(again, again_parts, cotangents("cpu"))
+    except Exception as e:
+        raise _CpuFailed(_short(e))
+    # A second CPU run tells random modules (they draw again, so they differ) from the rest; a
+    # random op that cannot change the result (dropout with p=0) leaves the module comparable.
+    random = not _close(again_out, want) or \
+        not _close(_grads_of(_tensors(again_parts)), _grads_of(_tensors(parts)))
+
+    metrics.reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        stage.name = "construct"
+        lazy = _build_module(info, *lazy_cons, seed).to(device)
+        if info.is_lazy:  # materialize on the device, then take CPU's values (init draws differ)
+            with torch.no_grad():
+                forward(lazy, _copy_parts(lazy_fwd))
+            lm.mark_step()
+            with torch.no_grad():
+                for p, q in zip(list(lazy.parameters()) + list(lazy.buffers()),
+                                list(init.parameters()) + list(init.buffers())):
+                    p.copy_(q.detach().to(device))
+        stage.name = "forward"
+        got = forward(lazy, lazy_fwd)
+        stage.name = "backward"
+        backward(got, cotangents(device))
+        stage.name = "step"
+        got_grads = _named_grads(lazy_fwd, lazy)
+        step(lazy)
+        stage.name = "sync"
+        lm.mark_step()
+        got = _to_cpu(got)
+        got_grads = {k: None if g is None else g.cpu() for k, g in got_grads.items()}
+    fallbacks = sorted(c for c in metrics.counter_names() if c.startswith("aten::"))
+    notes = sorted({str(w.message).splitlines()[0][:300] for w in caught if "ratex" in str(w.message)})
+
+    checks = [("forward", "output", got, want, ATOL)]
+    if not random:
+        checks += [("backward", f"grad of {k}", got_grads[k], want_grads[k], GRAD_ATOL) for k in want_grads]
+        checks += [("buffers", f"buffer {k}", b.cpu(), dict(ref.named_buffers())[k], ATOL)
+                   for k, b in lazy.named_buffers()]
+        checks += [("step", f"{k} after SGD", p.detach().cpu(), dict(ref.named_parameters())[k].detach(), GRAD_ATOL)
+                   for k, p in lazy.named_parameters()]
+    for name, label, a, b, atol in checks:
+        stage.name = name
+        if random:
+            _same_metadata(a, b)
+            continue
+        try:
+            torch.testing.assert_close(a, b, rtol=RTOL, atol=atol, equal_nan=True)
+        except AssertionError as e:
+            raise _Mismatch(f"{label}: " + _mismatch_message(e)) from None
+    return ("fallback" if fallbacks else "pass"), {"fallbacks": fallbacks, "notes": notes, "metadata_only": random}
+
+
+def check_module(info, phase, max_samples=DEFAULT_MAX_SAMPLES, device=None, seed=0):
+    """Check one module_db entry in one mode ("train" or "eval"). Return a dict with "status" and details."""
+    import random as _random
+
+    import numpy as np
+    import torch
+
+    from ratex.lazy_tensor_core.debug import metrics
+
+    device = device or torch.device("lazy", 0)
+    torch.manual_seed(seed)
+    _random.seed(seed)
+    np.random.seed(seed)
+    result = {"status": "skip", "samples": 0, "cpu_failed": 0, "fallbacks": [], "notes": [],
+              "metadata_only": False, "compiles": 0}
+    training = phase == "train"
+    try:
+        samples = list(info.module_inputs_func(info, device="cpu", dtype=torch.float32,
+                                               requires_grad=True, training=training))
+    except Exception as e:
+        result.update(skip_reason="module_inputs_func: " + _short(e))
+        return result
+    chosen = _spread(samples, max_samples)
+    result["of"] = len(samples)
+    fallbacks, notes = set(), set()
+    for i, sample in enumerate(chosen):
+        stage = _Stage()
+        try:
+            status, found = _module_sample(info, sample, training, device, seed + i, stage)
+            result["compiles"] += metrics.counter_value("UncachedCompile") or 0
+        except _CpuFailed as e:
+            result["cpu_failed"] += 1
+            result.setdefault("cpu_error", str(e))
+            continue
+        except _Mismatch as e:
+            result.update(status="fail", stage=stage.name, sample=sample.desc or str(i), error=str(e)[:300])
+            _flush()
+            break
+        except Exception as e:
+            result.update(status="fail", stage=stage.name, sample=sample.desc or str(i),
+                          error=_short(e), where=_where(e))
+            _flush()
+            break
+        result["samples"] += 1
+        _count_sample(result, status, found, fallbacks, notes)
+    result["fallbacks"] = sorted(fallbacks)
+    result["notes"] = sorted(notes)[:5]
+    return result
+
+
+# --------------------------------------------------------------------------- #
+# optimizers (--optims): OptimizerInfo's optim_db
+# --------------------------------------------------------------------------- #
+
+OPTIM_EXPECTATIONS = os.path.join(ROOT, "tests", "conformance_optims.json")
+OPTIM_PHASES = ("forloop", "foreach")
+OPTIM_STEPS = 5
+
+
+def optim_entries(names=None):
+    """{"<Optimizer>/<config>": (OptimizerInfo, OptimizerInput)} for every CPU config of optim_db
+    (all, or those whose key or optimizer name is in `names`)."""
+    import torch
+    from torch.testing._internal.common_optimizers import optim_db
+
+    out = {}
+    for info in optim_db:
+        name = info.optim_cls.__name__
+        for config in info.optim_inputs_func(device="cpu", dtype=torch.float32):
+            key = f"{name}/{config.desc}"
+            if names is None or key in names or name in names:
+                out[key] = (info, config)
+    return out
+
+
+def optim_phases(entry):
+    """for-loop always; foreach where the optimizer has a foreach implementation."""
+    info, _ = entry
+    return OPTIM_PHASES if "foreach" in info.supported_impls else OPTIM_PHASES[:1]
+
+
+def _optim_problem(name, seed):
+    """(model, batch(generator) -> (x, y), loss(model, x, y)): a small model each optimizer accepts."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    torch.manual_seed(seed)
+    if name == "SparseAdam":  # sparse gradients only
+        model = nn.Embedding(12, 4, sparse=True)
+        return (model, lambda g: (torch.randint(0, 12, (6,), generator=g), torch.randn(6, 4, generator=g)),
+                lambda m, x, y: F.mse_loss(m(x), y))
+    bias = name != "Muon"  # Muon takes 2-d parameters only
+    model = nn.Sequential(nn.Linear(8, 16, bias=bias), nn.Tanh(), nn.Linear(16, 4, bias=bias))
+    return (model, lambda g: (torch.randn(5, 8, generator=g), torch.randint(0, 4, (5,), generator=g)),
+            lambda m, x, y: F.cross_entropy(m(x), y))
+
+
+def check_optim(entry, phase, max_samples=None, device=None, seed=0, steps=OPTIM_STEPS):
+    """Train a small model `steps` steps with one optim_db config on CPU and on the lazy device.
+
+    Returns a dict with "status" (pass / fallback / fail, as for ops), the first step whose loss
+    differs, the compile count after each step, and where it fails, the stage: "step" (an
+    exception while tracing or running a step), "loss" (a loss differs) or "params" (the final
+    parameters differ).
+    """
+    import torch
+
+    import ratex.lazy_tensor_core.core.lazy_model as lm
+    from ratex.lazy_tensor_core.debug import metrics
+
+    info, config = entry
+    name = info.optim_cls.__name__
+    device = device or torch.device("lazy", 0)
+    kwargs = dict(config.kwargs)
+    if "foreach" in info.supported_impls:
+        kwargs["foreach"] = phase == "foreach"
+    result = {"status": "skip", "samples": 0, "fallbacks": [], "notes": [], "compiles": [],
+              "step_seconds": []}
+
+    def train(model, data, loss_fn, dev, record):
+        opt = info.optim_cls(model.parameters(), **copy.deepcopy(kwargs))
+        g = torch.Generator().manual_seed(seed + 1)
+        losses = []
+        for _ in range(steps):
+            x, y = (t.to(dev) for t in data(g))
+            t0 = time.time()
+
+            def closure():
+                opt.zero_grad()
+                loss = loss_fn(model, x, y)
+                loss.backward()
+                return loss
+
+            if info.step_requires_closure:
+                loss = opt.step(closure)
+            else:
+                loss = closure()
+                opt.step()
+            if record:
+                lm.mark_step()
+            losses.append(loss.detach().cpu())
+            if record:
+                result["compiles"].append(metrics.counter_value("UncachedCompile") or 0)
+                result["step_seconds"].append(round(time.time() - t0, 3))
+        return losses
+
+    ref, data, loss_fn = _optim_problem(name, seed)
+    lazy = copy.deepcopy(ref).to(device)
+    try:
+        want = train(ref, data, loss_fn, "cpu", False)
+    except Exception as e:
+        result.update(skip_reason="cpu: " + _short(e))
+        return result
+    metrics.reset()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = train(lazy, data, loss_fn, device, True)
+            result["notes"] = sorted({str(w.message).splitlines()[0][:300] for w in caught
+                                      if "ratex" in str(w.message)})[:5]
+    except Exception as e:
+        result.update(status="fail", stage="step", error=_short(e), where=_where(e))
+        _flush()
+        return result
+    result["fallbacks"] = sorted(c for c in metrics.counter_names() if c.startswith("aten::"))
+    result["samples"] = steps
+    bad = next((i for i, (a, b) in enumerate(zip(got, want)) if not _close(a, b)), None)
+    if bad is not None:  # a wrong loss explains the parameters: report the loss
+        stage, a, b = "loss", got, want
+    else:
+        stage, a, b = "params", _to_cpu(list(lazy.parameters())), [p.detach() for p in ref.parameters()]
+    try:
+        torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
+    except AssertionError as e:
+        result.update(status="fail", stage=stage, error=_mismatch_message(e), first_bad_step=bad,
+                      losses=[round(float(x), 6) for x in got], cpu_losses=[round(float(x), 6) for x in want])
+        return result
+    result["status"] = "fallback" if result["fallbacks"] else "pass"
+    return result
+
+
+# --------------------------------------------------------------------------- #
+# the three sweeps
+# --------------------------------------------------------------------------- #
+
+class Sweep:
+    """One database swept against CPU: its entries, the phases of an entry, its checker, its file."""
+
+    def __init__(self, name, entries, phases, check, expectations, all_phases, timeout):
+        self.name, self.entries, self.phases, self.check = name, entries, phases, check
+        self.expectations, self.all_phases, self.timeout = expectations, all_phases, timeout
+
+
+SWEEPS = {
+    "ops": Sweep("ops", entries, lambda op: PHASES if op.supports_autograd else PHASES[:1], check_entry,
+                 EXPECTATIONS, PHASES, 120.0),
+    # Transformer entries spend a minute finding the node that fails to compile (masked_fill),
+    # LBFGS minutes re-evaluating its closure: a timeout there would hide what they compute.
+    "modules": Sweep("modules", module_entries, module_phases, check_module, MODULE_EXPECTATIONS, MODULE_PHASES,
+                     300.0),
+    "optims": Sweep("optims", optim_entries, optim_phases, check_optim, OPTIM_EXPECTATIONS, OPTIM_PHASES, 600.0),
+}
+
+
+# --------------------------------------------------------------------------- #
 # worker processes
 # --------------------------------------------------------------------------- #
 
-def _worker_main(conn, max_samples):
+def _worker_main(conn, max_samples, sweep="ops"):
     os.environ.setdefault("RATEX_CACHE_DIR", "")
     warnings.simplefilter("ignore")
     import torch
 
     torch.set_num_threads(1)
     import ratex  # noqa: F401
-    all_entries = entries()
+    sweep = SWEEPS[sweep]
+    all_entries = sweep.entries()
     conn.send(("ready", None))
     while True:
         try:
@@ -391,7 +802,7 @@ def _worker_main(conn, max_samples):
         key, phase = msg
         t0 = time.time()
         try:
-            res = check_entry(all_entries[key], phase, max_samples=max_samples)
+            res = sweep.check(all_entries[key], phase, max_samples=max_samples)
         except BaseException as e:  # noqa: BLE001
             res = {"status": "fail", "error": "harness: " + _short(e)}
         res["seconds"] = round(time.time() - t0, 2)
@@ -399,9 +810,9 @@ def _worker_main(conn, max_samples):
 
 
 class _Worker:
-    def __init__(self, ctx, max_samples):
+    def __init__(self, ctx, max_samples, sweep):
         self.parent, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker_main, args=(child, max_samples), daemon=True)
+        self.proc = ctx.Process(target=_worker_main, args=(child, max_samples, sweep), daemon=True)
         self.proc.start()
         child.close()
         self.ready = False
@@ -427,8 +838,8 @@ class _Worker:
 
 
 def run_all(tasks, workers=2, max_samples=DEFAULT_MAX_SAMPLES, timeout=120.0, max_tasks=25,
-            max_rss_gb=6.0, on_result=None, startup_timeout=180.0):
-    """Run (key, phase) tasks in worker subprocesses; return {(key, phase): result}."""
+            max_rss_gb=6.0, on_result=None, startup_timeout=180.0, sweep="ops"):
+    """Run (key, phase) tasks of a sweep in worker subprocesses; return {(key, phase): result}."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -443,7 +854,7 @@ def run_all(tasks, workers=2, max_samples=DEFAULT_MAX_SAMPLES, timeout=120.0, ma
             # keep the pool full
             pool = [w for w in pool if w.proc.is_alive() or w.task]
             while len(pool) < workers and pending:
-                w = _Worker(ctx, max_samples)
+                w = _Worker(ctx, max_samples, sweep)
                 w.started = time.time()
                 pool.append(w)
             progressed = False
@@ -519,10 +930,10 @@ def run_all(tasks, workers=2, max_samples=DEFAULT_MAX_SAMPLES, timeout=120.0, ma
 # reporting
 # --------------------------------------------------------------------------- #
 
-def figures(table):
-    """table: {"forward": {key: status}, "backward": {...}} -> percentages over non-skipped entries."""
+def figures(table, phases=PHASES):
+    """table: {phase: {key: status}} -> per phase, counts and percentages over non-skipped entries."""
     out = {}
-    for phase in PHASES:
+    for phase in phases:
         st = [s for s in table.get(phase, {}).values() if s != "skip"]
         n = len(st) or 1
         c = collections.Counter(st)
@@ -540,30 +951,31 @@ def _group_key(msg):
     return msg[:90]
 
 
-def print_report(table, details, top=20):
-    fig = figures(table)
+def print_report(table, details, top=20, phases=PHASES):
+    fig = figures(table, phases)
     print()
-    for phase in PHASES:
+    for phase in phases:
         f = fig[phase]
         print(f"{phase:8s}: {f['entries']} entries ({f['skip']} skipped): pass {f['pass']}, "
               f"fallback {f['fallback']}, fail {f['fail']}")
     print()
-    print(f"forward  matching (fallback allowed): {fig['forward']['matching_pct']:5.1f} %")
-    print(f"backward matching (fallback allowed): {fig['backward']['matching_pct']:5.1f} %")
-    print(f"forward  lowered, no fallback:        {fig['forward']['lowered_pct']:5.1f} %")
-    print(f"backward lowered, no fallback:        {fig['backward']['lowered_pct']:5.1f} %")
-    for phase in PHASES:
+    for phase in phases:
+        print(f"{phase:8s} matching (fallback allowed): {fig[phase]['matching_pct']:5.1f} %")
+    for phase in phases:
+        print(f"{phase:8s} lowered, no fallback:        {fig[phase]['lowered_pct']:5.1f} %")
+    for phase in phases:
         groups = collections.defaultdict(list)
         for key, res in details.get(phase, {}).items():
             if res.get("status") == "fail":
-                groups[_group_key(res.get("error", ""))].append(key)
+                where = f"[{res['stage']}] " if res.get("stage") else ""
+                groups[where + _group_key(res.get("error", ""))].append(key)
         if not groups:
             continue
         print(f"\ntop {phase} failure causes:")
         for msg, keys in sorted(groups.items(), key=lambda kv: -len(kv[1]))[:top]:
             ex = ", ".join(sorted(keys)[:6]) + (", ..." if len(keys) > 6 else "")
             print(f"  {len(keys):4d}  {msg}\n        {ex}")
-    for phase in PHASES:
+    for phase in phases:
         fb = collections.Counter()
         for res in details.get(phase, {}).values():
             if res.get("status") == "fallback":
@@ -571,54 +983,88 @@ def print_report(table, details, top=20):
         if fb:
             print(f"\nmost common {phase} fallbacks (entries): "
                   + ", ".join(f"{k} {v}" for k, v in fb.most_common(15)))
+    slow = sorted(((res.get("seconds", 0), phase, key) for phase in phases
+                   for key, res in details.get(phase, {}).items()), reverse=True)[:10]
+    if slow:
+        print("\nslowest: " + ", ".join(f"{phase} {key} {sec:.0f} s" for sec, phase, key in slow))
+
+
+def expectation(res):
+    """What a module or optimizer expectations file records of a result: the status; a fallback's
+    counters; a failure's stage and message; why an entry was skipped."""
+    rec = {"status": res["status"]}
+    if res["status"] == "fallback":
+        rec["fallbacks"] = res.get("fallbacks", [])
+    elif res["status"] == "fail":
+        rec["stage"] = res.get("stage", "")
+        rec["error"] = res.get("error", "")
+    elif res["status"] == "skip":
+        rec["reason"] = res.get("skip_reason") or res.get("cpu_error", "")
+    return rec
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ops", help="comma-separated entry keys or op names (default: all float32 entries)")
-    p.add_argument("--phase", choices=("forward", "backward", "both"), default="both")
+    p.add_argument("--modules", nargs="?", const="", metavar="NAMES",
+                   help="sweep module_db instead (all entries, or these comma-separated names: nn.LSTM,...)")
+    p.add_argument("--optims", nargs="?", const="", metavar="NAMES",
+                   help="sweep optim_db instead (all configs, or these optimizers or Optimizer/config keys)")
+    p.add_argument("--phase", default="all",
+                   help="one phase of the sweep (ops: forward, backward; modules: train, eval; "
+                        "optims: forloop, foreach) or all (default)")
     p.add_argument("--max-samples", type=int, default=DEFAULT_MAX_SAMPLES,
                    help="samples tried per entry and direction, 0 = all (default %(default)s)")
     p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--timeout", type=float, default=120.0, help="seconds per entry and direction")
+    p.add_argument("--timeout", type=float,
+                   help="seconds per entry and phase (default: ops 120, modules 300, optims 600)")
     p.add_argument("--max-tasks", type=int, default=25, help="tasks per worker before it is replaced")
     p.add_argument("--max-rss-gb", type=float, default=6.0)
-    p.add_argument("--write", action="store_true", help=f"write {os.path.relpath(EXPECTATIONS, ROOT)}"
-                   " (merged into the existing file when --ops is given)")
-    p.add_argument("--expectations", default=EXPECTATIONS)
+    p.add_argument("--write", action="store_true", help="write the sweep's expectations file under tests/"
+                   " (merged into the existing file when names are given)")
+    p.add_argument("--expectations", help="the expectations file to write instead")
     p.add_argument("--details", help="write per-entry results (errors, fallback counters, times) here")
     p.add_argument("--verbose", "-v", action="store_true", help="print each result as it comes")
     p.add_argument("--from-details", metavar="PATH",
                    help="run nothing: report on (and with --write, record) a --details file of an earlier run")
     a = p.parse_args(argv)
+    if a.modules is not None and a.optims is not None:
+        p.error("--modules and --optims are two sweeps: run one at a time")
+    sweep, chosen = ((SWEEPS["modules"], a.modules) if a.modules is not None else
+                     (SWEEPS["optims"], a.optims) if a.optims is not None else (SWEEPS["ops"], a.ops))
+    if a.phase in ("all", "both"):
+        phases = sweep.all_phases
+    elif a.phase in sweep.all_phases:
+        phases = (a.phase,)
+    else:
+        p.error(f"--phase {a.phase!r}: the {sweep.name} sweep has phases {', '.join(sweep.all_phases)} (or all)")
+    expectations = a.expectations or sweep.expectations
 
     if a.from_details:
         with open(a.from_details) as f:
             details = json.load(f)
-        table = {ph: {k: r["status"] for k, r in sorted(details.get(ph, {}).items())} for ph in PHASES}
-        print_report(table, details)
+        table = {ph: {k: r["status"] for k, r in sorted(details.get(ph, {}).items())} for ph in sweep.all_phases}
+        print_report(table, details, phases=sweep.all_phases)
         if a.write:
-            _write(a.expectations, table, None)
+            _write(expectations, details, None, sweep)
         return 0
 
     os.environ.setdefault("RATEX_CACHE_DIR", "")
     warnings.simplefilter("ignore")
-    names = set(a.ops.split(",")) if a.ops else None
-    ents = entries(names)
+    # `kill` must reach run_all's cleanup too, or the workers outlive the sweep.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    names = set(chosen.split(",")) if chosen else None
+    ents = sweep.entries(names)
     if names:
-        missing = [n for n in names if n not in ents and not any(op.name == n for op in ents.values())]
+        found = set(ents) | {getattr(e, "name", None) for e in ents.values()} | \
+            {k.split("/")[0] for k in ents}
+        missing = [n for n in names if n not in found]
         if missing:
-            print("no float32 OpInfo entry named:", ", ".join(sorted(missing)), file=sys.stderr)
-    phases = PHASES if a.phase == "both" else (a.phase,)
-    tasks = []
-    for key, op in ents.items():
-        for phase in phases:
-            if phase == "backward" and not op.supports_autograd:
-                continue
-            tasks.append((key, phase))
+            print(f"no {sweep.name} entry named:", ", ".join(sorted(missing)), file=sys.stderr)
+    tasks = [(key, phase) for key, e in ents.items() for phase in sweep.phases(e) if phase in phases]
     print(f"{len(ents)} entries, {len(tasks)} tasks, {a.workers} workers", flush=True)
 
-    details = {ph: {} for ph in PHASES}
+    details = {ph: {} for ph in sweep.all_phases}
     t0 = time.time()
     count = [0]
 
@@ -627,37 +1073,43 @@ def main(argv=None):
         details[phase][key] = res
         count[0] += 1
         if a.verbose:
-            extra = res.get("error") or ", ".join(res.get("fallbacks", []))
+            extra = ((f"[{res['stage']}] " if res.get("stage") else "") + res["error"] if res.get("error")
+                     else ", ".join(res.get("fallbacks", [])))
             print(f"[{count[0]}/{len(tasks)} {time.time() - t0:6.0f}s] {phase:8s} {key:45s} "
                   f"{res['status']:8s} {res.get('seconds', 0):6.1f}s  {extra[:150]}", flush=True)
         elif count[0] % 50 == 0:
             print(f"  {count[0]}/{len(tasks)} done, {time.time() - t0:.0f} s", flush=True)
-        if a.details and count[0] % 50 == 0:
+        if a.details and count[0] % 10 == 0:
             _dump(a.details, details)
 
-    run_all(tasks, workers=a.workers, max_samples=a.max_samples, timeout=a.timeout,
-            max_tasks=a.max_tasks, max_rss_gb=a.max_rss_gb, on_result=on_result)
-    table = {ph: {k: details[ph][k]["status"] for k in sorted(details[ph])} for ph in PHASES}
+    run_all(tasks, workers=a.workers, max_samples=a.max_samples, timeout=a.timeout or sweep.timeout,
+            max_tasks=a.max_tasks, max_rss_gb=a.max_rss_gb, on_result=on_result, sweep=sweep.name)
+    table = {ph: {k: details[ph][k]["status"] for k in sorted(details[ph])} for ph in sweep.all_phases}
     print(f"done in {time.time() - t0:.0f} s")
-    print_report(table, details)
+    print_report(table, details, phases=sweep.all_phases)
 
     if a.details:
         _dump(a.details, details)
     if a.write:
-        _write(a.expectations, table, names)
+        _write(expectations, details, names, sweep)
     return 0
 
 
-def _write(path, table, names):
-    """Write the expectations file; with a subset of `names`, merge into the existing one."""
+def _write(path, details, names, sweep):
+    """Write the expectations file; with a subset of `names`, merge into the existing one.
+
+    The OpInfo file records a status per entry; the module and optimizer files record
+    `expectation(result)`, so a failure's stage and message are in the file.
+    """
     old = {}
     if names and os.path.exists(path):
         with open(path) as f:
             old = json.load(f)
     out = {}
-    for ph in PHASES:
+    for ph in sweep.all_phases:
         merged = dict(old.get(ph, {}))
-        merged.update(table[ph])
+        for key, res in details.get(ph, {}).items():
+            merged[key] = res["status"] if sweep.name == "ops" else expectation(res)
         out[ph] = dict(sorted(merged.items()))
     with open(path, "w") as f:
         json.dump(out, f, indent=1, sort_keys=True)

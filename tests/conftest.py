@@ -6,9 +6,40 @@ os.environ["RATEX_CACHE_DIR"] = ""
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+import tvm  # noqa: E402
 
 import ratex  # noqa: E402,F401  (registers the lazy device)
+from ratex import config as ratex_config  # noqa: E402
+from ratex.core import device  # noqa: E402
 from ratex.lazy_tensor_core.debug import metrics  # noqa: E402
+
+# The suite runs on the device RATEX_DEVICE names: `dev` is the lazy device, whose programs are
+# compiled for that target. Tests about the CPU target alone carry `cpu_only(why)`; those that run
+# programs on a GPU whatever RATEX_DEVICE says carry `gpu`.
+ON_CPU = ratex_config.DEVICE == "CPU"
+HAS_GPU = tvm.cuda(0).exist
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cpu_only(why): about the CPU target alone; skipped under another RATEX_DEVICE")
+    config.addinivalue_line("markers", "gpu: runs programs on a CUDA GPU; skipped where TVM sees none")
+    if not ON_CPU:
+        try:  # a machine that can't run the target stops here, once, with the backend's own error
+            device.backend()
+        except RuntimeError as err:
+            raise pytest.UsageError(str(err)) from err
+        # The tests compare with CPU float32; cuDNN's convolutions would round through TF32.
+        torch.backends.cudnn.allow_tf32 = False
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        cpu_only = item.get_closest_marker("cpu_only")
+        if cpu_only is not None and not ON_CPU:
+            why = cpu_only.args[0] if cpu_only.args else "about the CPU target"
+            item.add_marker(pytest.mark.skip(reason=f"CPU only ({why}); RATEX_DEVICE={ratex_config.DEVICE}"))
+        if item.get_closest_marker("gpu") is not None and not HAS_GPU:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU visible to TVM"))
 
 
 @pytest.fixture
@@ -29,6 +60,8 @@ def wrap_programs(request, monkeypatch):
     from ratex import config
     from ratex.core import executor
 
+    if request.param == "native" and not device.backend_class().native_runner:
+        pytest.skip(f"the native runner runs CPU programs only (RATEX_DEVICE={config.DEVICE})")
     if request.param == "native" and (
         not config.NATIVE_RUNNER or tvm_ffi.get_global_func("ratex.runner.prepare", allow_missing=True) is None
     ):

@@ -72,3 +72,28 @@ def in_backward(fn, x):
 
 def rnd(*shape, dtype=torch.float32):
     return torch.randn(*shape, dtype=dtype)
+
+
+def train_side_by_side(lazy, ref, make_opt, batches, loss_fn, dev, on_step=None):
+    """Step `lazy` (on device `dev`) and `ref` (on CPU) through `batches`, each with an optimizer
+    `make_opt(params)`, one mark_step a step; return [(lazy loss, CPU loss)] step by step.
+
+    `loss_fn(model, *batch)` computes a step's loss, the batch's tensors on the model's device;
+    `on_step()`, if given, runs after each step."""
+    import ratex.lazy_tensor_core.core.lazy_model as lm
+
+    opts = [make_opt(m.parameters()) for m in (lazy, ref)]
+    history = []
+    for batch in batches:
+        losses = []
+        for model, opt, device in zip((lazy, ref), opts, (dev, "cpu")):
+            opt.zero_grad()
+            loss = loss_fn(model, *[t.to(device) for t in batch])
+            loss.backward()
+            opt.step()
+            lm.mark_step()
+            losses.append(loss.item())
+        history.append(tuple(losses))
+        if on_step is not None:
+            on_step()
+    return history

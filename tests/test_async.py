@@ -156,6 +156,7 @@ def test_programs_on_both_workers_read_each_others_outputs(dev):
     torch.testing.assert_close(w.cpu(), expected)
 
 
+@pytest.mark.cpu_only("the native runner runs CPU programs")
 def test_cpu_programs_run_on_the_native_runner(dev):
     import tvm_ffi
 
@@ -174,6 +175,7 @@ def test_cpu_programs_run_on_the_native_runner(dev):
     assert launch._in_flight[-1].ticket is None  # reading w collected it
 
 
+@pytest.mark.cpu_only("CUDA does not survive a fork")
 def test_a_forked_child_runs_programs_of_its_own(dev):
     """The parent's worker thread (the native runner, or the Python one) does not exist in a forked
     child: the child starts one of its own, and both go on training. A program still running at
@@ -208,6 +210,7 @@ def test_a_forked_child_runs_programs_of_its_own(dev):
     torch.testing.assert_close(w.cpu(), torch.full((3,), 10.0))
 
 
+@pytest.mark.cpu_only("the native runner runs CPU programs")
 def test_the_runner_lets_go_of_python_inputs_on_the_collecting_thread(dev):
     """A torch tensor handed to a native run goes back through torch's DLPack deleter, which takes
     the GIL: it must die on the thread that collects the run, not on the runner thread (which then

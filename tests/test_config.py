@@ -38,7 +38,8 @@ print(json.dumps({
 
 
 def _run(**env):
-    return subprocess.run([sys.executable, "-c", _PROBE], cwd=ROOT, env=dict(os.environ, **env), capture_output=True,
+    env = dict(os.environ, **{"RATEX_DEVICE": "CPU", **env})  # settings are parsed alike on every target
+    return subprocess.run([sys.executable, "-c", _PROBE], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300)
 
 
@@ -66,6 +67,14 @@ def test_the_boolean_rule(monkeypatch, raw, value):
     assert config._flag("RATEX_SOME_FLAG", not value) is value
 
 
+def test_cuda_graphs_on_cpu_fail_at_import():
+    proc = _run(RATEX_CUDA_GRAPH="1")
+    assert proc.returncode != 0
+    assert "RATEX_CUDA_GRAPH='1': CUDA graphs are for RATEX_DEVICE=GPU, but RATEX_DEVICE=CPU" in proc.stderr, \
+        proc.stderr[-2000:]
+
+
+@pytest.mark.cpu_only("the CPU target's options")
 def test_settings_reach_the_compile_as_options(monkeypatch):
     """RATEX_KERNELS and RATEX_CPU_SCHEDULE, read at each compile, become the target's Options."""
     cpu = resolve_target("CPU")
@@ -90,6 +99,7 @@ def test_each_target_brings_its_policy():
     assert not gpu.options("library", library_runs=False).library  # a torch without CUDA has no kernels to call
     # the CUDA pipeline's own (dlight's GPU rules), and not ratex's CPU schedules beside it
     assert [p.info.name for p in pipeline._passes(gpu, Options())].count("ApplyDefaultSchedule") == 1
+    assert gpu.options(cuda_graph=True).cuda_graph and not cpu.options(cuda_graph=True).cuda_graph
     with pytest.raises(ValueError, match="kernels='fast' is not valid; use one of: auto, library, tvm"):
         cpu.options("fast")
     with pytest.raises(ValueError, match="unknown target 'TPU'; valid values: CPU, GPU"):

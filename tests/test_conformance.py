@@ -13,6 +13,8 @@ import os
 
 import pytest
 
+from ratex import config
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _spec = importlib.util.spec_from_file_location("ratex_conformance", os.path.join(ROOT, "scripts", "conformance.py"))
 conformance = importlib.util.module_from_spec(_spec)
@@ -51,6 +53,9 @@ SUBSET = [
 
 _ENTRIES = conformance.entries({name for name, _ in SUBSET})
 _ALLOWED = {"pass": {"pass"}, "fallback": {"pass", "fallback"}}
+# The file is recorded on the CPU target. On another, an entry may fall back where the CPU has a
+# kernel of its own (host loops: scans, scatter reductions), but never fail.
+_ALLOWED_HERE = _ALLOWED if config.DEVICE == "CPU" else {k: {"pass", "fallback"} for k in _ALLOWED}
 
 
 def test_subset_is_recorded():
@@ -67,4 +72,4 @@ def test_no_regression(dev, name, phase):
     got = conformance.check_entry(_ENTRIES[name], phase, max_samples=MAX_SAMPLES, device=dev)
     detail = got.get("error") or ", ".join(got.get("fallbacks", []))
     assert got["samples"] > 0, f"no sample of {name} could be checked: {got}"
-    assert got["status"] in _ALLOWED[expected], f"{phase} {name}: was {expected}, now {got['status']}: {detail}"
+    assert got["status"] in _ALLOWED_HERE[expected], f"{phase} {name}: was {expected}, now {got['status']}: {detail}"

@@ -544,3 +544,195 @@ def test_scripted_max_pool_gradient_is_pytorchs(dev, shape, k, relu):
         got = xl.grad.cpu()
     assert not [str(w.message) for w in caught if "ratex" in str(w.message)]  # compiled, no CPU fallback
     assert torch.equal(torch.nan_to_num(got, 9.0), torch.nan_to_num(ref.grad, 9.0)), (got - ref.grad).abs().max()
+
+
+def _scripted_grads_match_cpu(ref, *xs):
+    """Script a copy of `ref`; one forward and backward of it on lazy inputs (floating ones
+    requiring grad) must compile with no CPU fallback and no ratex warning, and its output and
+    gradients (inputs' and parameters') equal CPU's."""
+    model = jit.script(copy.deepcopy(ref)).to("lazy")
+    metrics.reset()
+    xl = [x.to("lazy").requires_grad_(x.is_floating_point()) for x in xs]
+    xr = [x.clone().requires_grad_(x.is_floating_point()) for x in xs]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = model(*xl)
+        g = torch.linspace(-1, 2, out.numel()).view(out.shape).to(out.dtype)
+        out.backward(g.to("lazy"))
+        lm.mark_step()
+        got = [out.detach().cpu()] + [x.grad.cpu() for x in xl if x.requires_grad]
+        got += [p.grad.cpu() for p in model.parameters()]
+    assert not [str(w.message) for w in caught if "ratex" in str(w.message)]
+    assert metrics.counter_value("ratex::script_fwd.default") == 1
+    assert metrics.counter_value("ratex::script_bwd.default") == 1
+    assert not [n for n in metrics.counter_names() if n.startswith("aten::")], metrics.counter_names()
+    want = ref(*xr)
+    want.backward(g)
+    want = [want.detach()] + [x.grad for x in xr if x.requires_grad] + [p.grad for p in ref.parameters()]
+    for a, b in zip(got, want):
+        _close(a, b)
+
+
+class _WalkthroughLeNet(nn.Module):
+    """The LeNet-5 of Ratex's "What is Lazy Tensor" walkthrough, with either pool and optional conv biases."""
+
+    def __init__(self, pool, bias):
+        super().__init__()
+        self.pool = F.avg_pool2d if pool == "avg" else F.max_pool2d
+        self.conv1 = nn.Conv2d(1, 6, 5, padding=2, bias=bias)
+        self.conv2 = nn.Conv2d(6, 16, 5, bias=bias)
+        self.fc1 = nn.Linear(16 * 5 * 5, 120)
+        self.fc2 = nn.Linear(120, 84)
+        self.fc3 = nn.Linear(84, 10)
+
+    def forward(self, x):
+        x = self.pool(F.relu(self.conv1(x)), 2)
+        x = self.pool(F.relu(self.conv2(x)), 2)
+        x = F.relu(self.fc1(torch.flatten(x, 1)))
+        return F.log_softmax(self.fc3(F.relu(self.fc2(x))), dim=1)
+
+
+@pytest.mark.parametrize("pool", ["max", "avg"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_walkthrough_lenet_scripts_with_either_pool(pool, bias):
+    """Its scripted forward and backward stay in TVM (an avg pool's TIR kernel could be neither
+    inlined nor differentiated), with the input's gradient too."""
+    torch.manual_seed(0)
+    _scripted_grads_match_cpu(_WalkthroughLeNet(pool, bias), torch.randn(2, 1, 28, 28))
+
+
+class _AvgPool(nn.Module):
+    def __init__(self, *args):
+        super().__init__()
+        self.args = args
+
+    def forward(self, x):
+        return F.avg_pool2d(x * 1.5, *self.args)
+
+
+@pytest.mark.parametrize("shape,args", [
+    ((2, 3, 8, 8), (3, 2, 1, True, True)),  # ceil_mode windows past the padding, counted up to it
+    ((1, 2, 7, 9), ((2, 3), (2, 3), 0, True, True)),
+    ((1, 2, 7, 9), (3, 2, 1, True, False)),
+    ((2, 7, 9), (3, 1, 1, False, True)),  # unbatched
+])
+def test_scripted_avg_pool_gradient_is_pytorchs(shape, args):
+    """Windows and divisors of PyTorch's kernel (kernel, stride, padding, ceil_mode,
+    count_include_pad): TVM's gradient divided a ceil_mode window by the whole kernel."""
+    _scripted_grads_match_cpu(_AvgPool(*args), torch.randn(*shape))
+
+
+class _AdaptivePool(nn.Module):
+    def __init__(self, size):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.size = size
+
+    def forward(self, x):
+        return F.adaptive_avg_pool2d(F.relu(self.conv(x)), self.size).flatten(-3) * 2
+
+
+@pytest.mark.parametrize("size,shape", [((1, 1), (2, 3, 9, 7)), ((3, 2), (2, 3, 9, 7)), ((5, 7), (2, 3, 9, 7)),
+                                        ((3, 2), (3, 9, 7))])
+def test_scripted_adaptive_avg_pool_has_a_gradient(size, shape):
+    """A ResNet's global pool (and uneven windows, and an unbatched input) in a scripted backward."""
+    torch.manual_seed(0)
+    _scripted_grads_match_cpu(_AdaptivePool(size), torch.randn(*shape))
+
+
+class _Attention(nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+        self.kind = kind
+
+    def forward(self, x, keep):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, 2, 4).permute(2, 0, 3, 1, 4).unbind(0)
+        kind, kw = self.kind, {}
+        if kind == "bool":  # BERT's key padding mask
+            kw["attn_mask"] = keep[:, None, None, :]
+        elif kind == "bool rows":  # padded queries too: rows with no key left are 0
+            kw["attn_mask"] = keep[:, None, :, None] & keep[:, None, None, :]
+        elif kind == "float":
+            kw["attn_mask"] = torch.zeros(keep.shape, dtype=x.dtype).masked_fill(~keep, float("-inf"))[:, None, None, :]
+        elif kind == "scale":
+            kw["scale"] = 0.3
+        elif kind == "causal scale":
+            kw.update(is_causal=True, scale=0.7)
+        elif kind == "3-d":
+            out = F.scaled_dot_product_attention(q[0], k[0], v[0], attn_mask=keep[:1, None, :])
+            return out.transpose(0, 1).reshape(t, d)
+        return F.scaled_dot_product_attention(q, k, v, **kw).transpose(1, 2).reshape(b, t, d)
+
+
+@pytest.mark.parametrize("kind", ["bool", "bool rows", "float", "scale", "causal scale", "3-d"])
+def test_scripted_attention_with_masks_and_scale(kind):
+    """TVM's rule refuses a boolean mask, has no gradient for a float one and ignores `scale`."""
+    torch.manual_seed(0)
+    keep = torch.tensor([[True] * 5 + [False] * 2, [True] * 7])
+    _scripted_grads_match_cpu(_Attention(kind), torch.randn(2, 7, 8), keep)
+
+
+class _CastsAndMasks(nn.Module):
+    """What BERT's TorchScript graph holds: aten::to with a device then a dtype (to.device), and
+    ~mask (relax.bitwise_not, which a scripted backward must step over)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+
+    def forward(self, x, keep):
+        h = self.fc(x).to(x.device, torch.float64)
+        return h.float().masked_fill(~keep, 0.0) + (~keep).to(x.device, dtype=torch.float32)
+
+
+def test_scripted_to_device_and_bitwise_not():
+    torch.manual_seed(0)
+    _scripted_grads_match_cpu(_CastsAndMasks(), torch.randn(4, 6), torch.rand(4, 6) > 0.5)
+
+
+class _Activation(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(x) * 1.5
+
+
+SCRIPTED_ACTIVATIONS = {
+    "hardtanh": lambda t: F.hardtanh(t, -0.5, 1.5), "relu6": F.relu6, "hardsigmoid": F.hardsigmoid,
+    "hardswish": F.hardswish, "leaky_relu": lambda t: F.leaky_relu(t, 0.2), "softplus": lambda t: F.softplus(t, 2.0, 1.5),
+    "prelu": nn.PReLU(3, 0.2), "threshold": lambda t: F.threshold(t, 0.5, -2.0), "hardshrink": lambda t: F.hardshrink(t, 0.5),
+    "glu": lambda t: F.glu(t, -1), "mish": F.mish, "logsigmoid": F.logsigmoid,
+    "rrelu eval": lambda t: F.rrelu(t, 0.1, 0.4, training=False), "celu": lambda t: F.celu(t, 2.0),
+}
+
+
+@pytest.mark.parametrize("name", SCRIPTED_ACTIVATIONS)
+def test_scripted_activation_gradients_are_pytorchs(name):
+    """Scripted, each is Relax ops with gradients (they fell back to CPU: no Relax gradient for
+    clip, leakyrelu, softplus, prelu, no rule for the composite ops); at their thresholds too."""
+    x = torch.cat([torch.linspace(-4, 4, 33), torch.zeros(1)]).repeat(2, 3, 1)  # (2, 3, 34): 0.25 apart
+    fn = SCRIPTED_ACTIVATIONS[name]
+    _scripted_grads_match_cpu(_Activation(copy.deepcopy(fn) if isinstance(fn, nn.Module) else fn), x)
+
+
+class _Mlp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 3, bias=False)
+
+    def forward(self, x):
+        h = self.fc(x) * 0.37 + 1.5
+        return self.fc2(h.pow(2) + h.sum(-1, keepdim=True) / 3.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16], ids=str)
+def test_scripted_linear_keeps_its_dtype(dtype):
+    """TVM's linear rule computes in float32 whatever the inputs: a float64 model came back
+    float32 (refused, so not scripted), a float16 one failed to add its bias. Products of half
+    precision accumulate in float32, their gradients too."""
+    torch.manual_seed(0)
+    _scripted_grads_match_cpu(_Mlp().to(dtype), torch.randn(4, 8).to(dtype))

@@ -1,5 +1,6 @@
 """Kernel library dispatch: heavy Relax ops become ratex.lib.* calls and compute what TVM's code computes."""
 import numpy as np
+import pytest
 import tvm
 from tvm import relax
 
@@ -104,6 +105,7 @@ def test_consecutive_transposes_fold_into_one_or_none():
         np.testing.assert_array_equal(g.numpy(), w)
 
 
+@pytest.mark.cpu_only("the CPU target's threshold under RATEX_KERNELS=auto")
 def test_auto_sends_only_large_aten_products_to_the_library(tmp_path, monkeypatch):
     """On the lazy path under RATEX_KERNELS=auto, LeNet-5-at-batch-1-sized convs and matmuls are
     TVM code (results as CPU PyTorch's), a 2M multiply-add matmul calls PyTorch's kernel."""
@@ -161,3 +163,90 @@ def test_max_pool_gradients_over_tiling_windows_are_a_tvm_gather():
         if name == "tiles":
             legalized = relax.transform.LegalizeOps(pool_grad.LEGALIZE)(mod).script()
             assert 'T.sblock("max_pool2d_argmax")' in legalized and "ratex.materialize" in legalized
+
+
+def _python_aten_out(op, template, kwargs, *tensors):
+    """Run the Python `ratex.lib.aten_out` kernel (the one GPU programs call) on CPU tensors."""
+    import json
+
+    import torch
+
+    from ratex.core import kernels
+
+    out = torch.empty_like(tensors[0])
+    attrs = json.dumps({"op": op, "args": template, "kwargs": kwargs})
+    kernels._aten_out(*(tvm.runtime.from_dlpack(t) for t in tensors), attrs, tvm.runtime.from_dlpack(out))
+    return out
+
+
+def test_python_aten_kernel_passes_keyword_only_arguments_by_keyword():
+    """library_dispatch sends gelu's `approximate` as the template's second entry; ATen takes it
+    only as a keyword (`gelu() takes 1 positional argument`, the scripted GPT on GPU)."""
+    import torch
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(0)
+    x, dy = torch.randn(4, 6, generator=g) * 3, torch.randn(4, 6, generator=g)
+    for approximate in ("none", "tanh"):
+        got = _python_aten_out("aten.gelu.default", [{"tensor": 0}, approximate], {}, x)
+        torch.testing.assert_close(got, F.gelu(x, approximate=approximate))
+        as_keyword = _python_aten_out("aten.gelu.default", [{"tensor": 0}], {"approximate": approximate}, x)
+        torch.testing.assert_close(as_keyword, got)
+        grad = _python_aten_out("aten.gelu_backward.default", [{"tensor": 0}, {"tensor": 1}, approximate], {}, dy, x)
+        torch.testing.assert_close(grad, torch.ops.aten.gelu_backward(dy, x, approximate=approximate))
+    want = torch.ops.aten._softmax_backward_data(dy, torch.softmax(x, 1), 1, torch.float32)
+    got = _python_aten_out("aten._softmax_backward_data.default",
+                           [{"tensor": 0}, {"tensor": 1}, 1, {"dtype": "float32"}], {}, dy, torch.softmax(x, 1))
+    torch.testing.assert_close(got, want)
+
+
+def test_python_aten_kernel_rejects_arguments_it_cannot_place():
+    import torch
+
+    x = torch.randn(3)
+    with pytest.raises(TypeError, match=r"aten.gelu.default takes 2 arguments, the call has 3"):
+        _python_aten_out("aten.gelu.default", [{"tensor": 0}, "tanh", 1], {}, x)
+    with pytest.raises(TypeError, match="'approximate' by position and by keyword"):
+        _python_aten_out("aten.gelu.default", [{"tensor": 0}, "tanh"], {"approximate": "none"}, x)
+
+
+# A scripted Linear-GELU(tanh)-Linear trained for 3 SGD steps on the device sys.argv[1] names; prints the losses.
+_GELU_STEPS = """
+import json, sys
+import torch, torch.nn as nn, torch.nn.functional as F
+import ratex
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.GELU("tanh"), nn.Linear(16, 4))
+if sys.argv[1] == "lazy":
+    model = ratex.jit.script(model)
+model.to(sys.argv[1])
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+g = torch.Generator().manual_seed(1)
+x, y = torch.randn(5, 8, generator=g), torch.randn(5, 4, generator=g)
+losses = []
+for _ in range(3):
+    opt.zero_grad()
+    loss = F.mse_loss(model(x.to(sys.argv[1])), y.to(sys.argv[1]))
+    loss.backward()
+    opt.step()
+    losses.append(loss.item())
+print(json.dumps(losses))
+"""
+
+
+def test_scripted_gelu_tanh_trains_with_the_python_kernels():
+    """The Python kernels are what GPU programs call; on CPU they run where the native library
+    is off. The scripted GELU(tanh) goes to `ratex.lib.aten_out` with `approximate` in its template."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    def losses(device):
+        env = dict(os.environ, RATEX_NATIVE_KERNELS="0", RATEX_KERNELS="library", RATEX_CACHE_DIR="")
+        proc = subprocess.run([sys.executable, "-c", _GELU_STEPS, device], env=env, capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    want = losses("cpu")
+    assert losses("lazy") == pytest.approx(want, rel=1e-4, abs=1e-6)

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 import ratex.lazy_tensor_core.core.lazy_model as lm
+from rule_check import train_side_by_side
 
 IMG = (4, 3, 6, 6)
 SEQ = (2, 5, 8)
@@ -63,3 +64,42 @@ def test_module_matches_cpu(dev, name):
         torch.testing.assert_close(b.cpu(), c, rtol=1e-4, atol=1e-5)
     if floating:
         torch.testing.assert_close(xl.grad.cpu(), xr.grad, rtol=1e-4, atol=1e-4)
+
+
+class _PaddedAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mha = nn.MultiheadAttention(8, 2, batch_first=True)
+
+    def forward(self, x, pad):
+        return self.mha(x, x, x, key_padding_mask=pad)[0]
+
+
+class _PaddedEncoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+        self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+
+    def forward(self, x, pad):
+        return self.enc(x, src_key_padding_mask=pad)
+
+
+@pytest.mark.parametrize("make", [_PaddedAttention, _PaddedEncoder])
+def test_padding_mask_trains_like_cpu_without_fallback(dev, make):
+    """A boolean key padding mask becomes masked_fill(mask, -inf) before the softmax: lowered
+    (not run on CPU), forward, backward and SGD steps match CPU."""
+    from ratex.lazy_tensor_core.debug import metrics
+
+    torch.manual_seed(0)
+    ref = make()
+    lazy = copy.deepcopy(ref).to(dev)
+    pad = torch.tensor([[False] * 5 + [True] * 2, [False] * 7])
+    batches = [(torch.randn(2, 7, 8), pad) for _ in range(3)]
+    history = train_side_by_side(lazy, ref, lambda p: torch.optim.SGD(p, lr=0.1), batches,
+                                 lambda m, x, pad: m(x, pad).pow(2).mean(), dev)
+    for losses in history:
+        torch.testing.assert_close(*losses, rtol=1e-4, atol=1e-5)
+    for p, q in zip(lazy.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.cpu(), q, rtol=1e-4, atol=1e-5)
+    assert not [n for n in metrics.counter_names() if n.startswith("aten::")]

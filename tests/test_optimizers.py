@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 import ratex.lazy_tensor_core.core.lazy_model as lm
 from ratex.lazy_tensor_core.debug import metrics
+from rule_check import train_side_by_side
 
 OPTIMIZERS = {
     "sgd-nesterov-wd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-4),
@@ -151,3 +152,59 @@ def test_inplace_arith_errors_match_cpu(dev):
     with pytest.raises(RuntimeError, match="single memory location"):
         e.mul_(0.5)
     torch.testing.assert_close(lazy_x.cpu(), x)
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_adafactor_matches_cpu(dev, foreach):
+    """Adafactor's factored second moment is an outer product of a column by a row (a matmul with
+    a reduction of extent 1) under an rsqrt; the rsqrt inlined into the product's kernel gives
+    zeros, and the loss grows to 4e20 in three steps."""
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(8, 4)
+    model = copy.deepcopy(ref).to(dev)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(5, 8, generator=g),) for _ in range(3)]
+    history = train_side_by_side(model, ref, lambda p: torch.optim.Adafactor(p, foreach=foreach), batches,
+                                 lambda m, x: m(x).pow(2).mean(), dev)
+    for losses in history:
+        torch.testing.assert_close(*losses, rtol=1e-4, atol=1e-5)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.cpu(), q, rtol=1e-4, atol=1e-5)
+    assert not [c for c in metrics.counter_names() if c.startswith("aten::")]
+
+
+MUON_CONFIGS = {  # OptimInfo's Muon configs, and the two options they leave at their defaults
+    "default": {}, "lr": {"lr": 0.01}, "weight_decay": {"weight_decay": 0.2}, "momentum": {"momentum": 0.8},
+    "ns_steps": {"ns_steps": 6}, "ns_coefficients": {"ns_coefficients": (3.4, -4.7, 2.0)},
+    "no nesterov, adamw lr": {"nesterov": False, "adjust_lr_fn": "match_rms_adamw"},
+}
+
+
+def _muon_matches_cpu(dev, config):
+    """Five steps of Muon on nn.Linear(8, 6): its Newton-Schulz iterations run in bfloat16
+    (norm, clamp, division, mm and addmm with alpha and beta), its update is a bfloat16 tensor
+    added to a float32 parameter with alpha = -lr. Each rounds where PyTorch's CPU kernels round."""
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(8, 6, bias=False)
+    model = copy.deepcopy(ref).to(dev)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(4, 8, generator=g),) for _ in range(5)]
+
+    def same_weights():
+        torch.testing.assert_close(model.weight.detach().cpu(), ref.weight.detach(), rtol=1e-6, atol=1e-7)
+
+    train_side_by_side(model, ref, lambda p: torch.optim.Muon(p, **MUON_CONFIGS[config]), batches,
+                       lambda m, x: m(x).pow(2).mean(), dev, on_step=same_weights)
+    assert not [c for c in metrics.counter_names() if c.startswith("aten::")]
+
+
+@pytest.mark.parametrize("config", MUON_CONFIGS)
+def test_muon_matches_cpu(dev, config):
+    _muon_matches_cpu(dev, config)
+
+
+@pytest.mark.usefixtures("tvm_kernels")
+@pytest.mark.parametrize("config", ["default", "ns_steps"])
+def test_muon_matches_cpu_in_tvm_kernels(dev, config):
+    """The same with its products as TVM code rather than PyTorch's kernels."""
+    _muon_matches_cpu(dev, config)

@@ -151,3 +151,68 @@ def test_relu_keeps_nan_and_signed_zero_and_its_gradient_is_pytorchs(dev):
     assert torch.equal(torch.isnan(got), torch.isnan(want)) and torch.equal(torch.signbit(got), torch.signbit(want))
     assert torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0))
     assert torch.equal(lazy.grad.cpu(), ref.grad), (lazy.grad.cpu(), ref.grad)
+
+
+# Activations with parameters, at values other than their defaults (OpInfo samples mostly use
+# the defaults: celu with alpha=1 was right while any other alpha was wrong).
+ACTIVATIONS = {
+    "celu alpha=2": lambda t: F.celu(t, 2.0),
+    "celu alpha=0.5": lambda t: F.celu(t, 0.5),
+    "celu_ alpha=2": lambda t: F.celu(t * 1, 2.0, inplace=True),  # backward from the output
+    "elu alpha scale input_scale": lambda t: aten.elu(t, 0.7, 1.3, 0.6),
+    "elu negative alpha": lambda t: F.elu(t, -0.5),
+    "elu_ alpha=0.3": lambda t: F.elu(t * 1, 0.3, inplace=True),
+    "selu": F.selu,
+    "rrelu eval": lambda t: F.rrelu(t, 0.1, 0.4, training=False),
+    "hardtanh": lambda t: F.hardtanh(t, -0.5, 1.5),
+    "softplus beta threshold": lambda t: F.softplus(t, beta=2.0, threshold=1.5),
+    "softplus negative beta": lambda t: F.softplus(t, beta=-1.0, threshold=2.0),
+    "leaky_relu": lambda t: F.leaky_relu(t, 0.2),
+    "threshold": lambda t: F.threshold(t, 0.3, -2.0),
+    "softshrink": lambda t: F.softshrink(t, 0.7),
+    "hardshrink": lambda t: F.hardshrink(t, 0.7),
+}
+
+
+@pytest.mark.parametrize("name", list(ACTIVATIONS))
+def test_activations_with_parameters_forward_and_backward(name):
+    """Forward and input gradient (through the backward ops autograd records on the lazy device)."""
+    fn = ACTIVATIONS[name]
+    x = torch.randn(6, 5) * 3
+    x[0] = torch.tensor([0.7, -0.7, 0.0, 1.5, -0.5])  # on the thresholds and shrink bounds
+    g = torch.randn(6, 5)
+
+    def forward_backward(t, g):
+        t = t.detach().requires_grad_()
+        y = fn(t)
+        return y, torch.autograd.grad(y, t, g)[0]
+
+    check(forward_backward, x, g)
+
+
+def test_rrelu_training_draws_slopes_in_its_range():
+    """rrelu in training draws a slope per negative element in [lower, upper]; its gradient is
+    that slope (values are random: checked against their law, not CPU's draws)."""
+    x = torch.randn(64, 32)
+    xl = x.to("lazy").requires_grad_()
+    y = F.rrelu(xl, 0.1, 0.4, training=True)
+    y.backward(torch.ones_like(y))
+    y, grad = y.detach().cpu(), xl.grad.cpu()
+    neg = x < 0
+    slopes = y[neg] / x[neg]
+    assert torch.equal(y[~neg], x[~neg]) and torch.equal(grad[~neg], torch.ones_like(x[~neg]))
+    assert slopes.min() >= 0.1 and slopes.max() <= 0.4 and slopes.std() > 0.07  # uniform: std 0.087
+    torch.testing.assert_close(grad[neg], slopes)
+
+
+@pytest.mark.parametrize("value", [-INF, INF, NAN, -6e4, 2.5])
+def test_masked_fill_with_any_float_fill(value):
+    mask = torch.rand(3, 1, 5) > 0.5
+    check(lambda x, m: (x.masked_fill(m, value), x.half().masked_fill(m, value)), torch.randn(3, 4, 5), mask,
+          ops=["masked_fill.Scalar"])
+
+
+def test_masked_fill_of_integers_and_bools():
+    mask = torch.rand(3, 5) > 0.5
+    check(lambda x, m: (x.masked_fill(m, 7), (x > 4).masked_fill(m, True)), torch.arange(15).view(3, 5), mask,
+          ops=["masked_fill.Scalar"])

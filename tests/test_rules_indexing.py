@@ -14,6 +14,8 @@ from rule_check import check, rnd
 aten = torch.ops.aten
 NAN = float("nan")
 MODES = ("sum", "prod", "mean", "amax", "amin")
+# These scatters are host loops, which only CPU builds have: on GPU they fall back to PyTorch.
+HOST_LOOPS = pytest.mark.cpu_only("host-loop kernels: scatter reductions")
 
 pytestmark = pytest.mark.usefixtures("seeded")
 
@@ -26,6 +28,7 @@ def _quiet():
 
 
 # ---- scatter ----------------------------------------------------------------------------------
+@HOST_LOOPS
 def test_scatter_reduce_every_mode_with_and_without_self():
     """Duplicate targets, untouched elements (keep self), NaN in self and src, both dims."""
     x, src = torch.randn(10, 5), torch.randn(5, 5)
@@ -39,6 +42,7 @@ def test_scatter_reduce_every_mode_with_and_without_self():
     check(fn, x, index, src, ops=["scatter_reduce.two"])
 
 
+@HOST_LOOPS
 def test_scatter_narrow_index_and_integers():
     """An index narrower than self after the scattered dim (TVM's scatter_elements misplaced those
     writes, also for scatter and scatter_add) and src wider than the index; integer means round
@@ -58,6 +62,7 @@ def test_scatter_narrow_index_and_integers():
           ops=["scatter_reduce.two", "scatter_add.default", "scatter.src", "scatter.value"])
 
 
+@HOST_LOOPS
 def test_index_reduce_and_scatter_with_reduce():
     x, src = torch.randn(5, 5, 5), torch.randn(5, 10, 5)
     src[0, 0, 0] = NAN

@@ -9,6 +9,8 @@ from rule_check import check
 aten = torch.ops.aten
 NAN, INF = float("nan"), float("inf")
 NEG_INF = float("-inf")
+# These scans are host loops, which only CPU builds have: on GPU they fall back to PyTorch.
+HOST_LOOPS = pytest.mark.cpu_only("host-loop kernels: cummax, cummin and logcumsumexp")
 
 pytestmark = pytest.mark.usefixtures("seeded")
 
@@ -66,6 +68,7 @@ def test_var_corners(shape, dim, correction):
           x, ops=["var.correction"], expected_warning="var\\(\\)|std\\(\\)|std_mean|var_mean")
 
 
+@HOST_LOOPS
 def test_running_extremes_and_logcumsumexp():
     """cummax/cummin report the last of equal values; a NaN takes over (and a later NaN moves the
     index). logcumsumexp keeps equal infinities and a -1000 next to 0."""

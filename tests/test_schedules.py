@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from rule_check import check, rnd
 
-pytestmark = pytest.mark.usefixtures("seeded", "tvm_kernels")
+pytestmark = [pytest.mark.usefixtures("seeded", "tvm_kernels"), pytest.mark.cpu_only("ratex's CPU schedules")]
 
 
 @pytest.mark.parametrize("shape,dims", [((64, 48), [0]), ((5, 3, 32), [0, 1]), ((4, 7, 16, 3), [0, 3]), ((33, 10), [1]),
@@ -156,3 +156,21 @@ def test_contraction_schedule_matches_cpu_on_odd_shapes(m, k, n):
     x, w = rnd(2, 4, 11, 13), rnd(6, 2, 3, 5)
     check(lambda x, w: F.conv2d(x, w, stride=(2, 1), padding=(1, 2), dilation=(1, 2), groups=2), x, w,
           ops=["convolution.default"])
+
+
+def test_contraction_over_one_element_keeps_its_epilogue_outside():
+    """A matmul whose reduction has extent 1 normalizes to a block of spatial iterators only,
+    but with a T.init(): it is a reduction, not an elementwise block to inline an epilogue into
+    (rsqrt inlined into it gave zeros: Adafactor's row x column factored second moment)."""
+    from tvm import te
+    from tvm_lowering.pipeline import resolve_target
+    from tvm_lowering.schedules import Injective
+
+    a, b = te.placeholder((4, 1), name="a"), te.placeholder((1, 8), name="b")
+    k = te.reduce_axis((0, 1))
+    mm = te.compute((4, 8), lambda i, j: te.sum(a[i, k] * b[k, j], axis=k), name="mm")
+    rsqrt = te.compute(mm.shape, lambda i, j: 1.0 / te.sqrt(mm[i, j]), name="rsqrt")
+    assert Injective().apply(te.create_prim_func([a, b, rsqrt]), resolve_target("CPU").tvm, False) is None
+    r, c = torch.rand(4, 1) + 0.5, torch.rand(1, 8) + 0.5
+    check(lambda r, c: ((r @ c).rsqrt(), (r @ c).sqrt(), (r @ c).reciprocal(), (r @ c * 2 - 1).relu(),
+                        torch.bmm(r[None], c[None]).rsqrt()), r, c, ops=["mm.default", "rsqrt.default"])

@@ -12,6 +12,8 @@ from tvm_lowering import tuning
 from tvm_lowering.pipeline import resolve_target
 from tvm_lowering.tuning import Tuner
 
+pytestmark = pytest.mark.cpu_only("MetaSchedule tuning is for CPU kernels")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRIALS = "2"
 

@@ -246,6 +246,12 @@ def _matmul_grad(orig_var, orig_call, output_grad, bb):
     # scripted GPT benchmark 6.5 ms a layer, besides batched matmuls). As one 2-d product
     # of the flattened rows, x2^T @ g2, it is a single matmul with nothing to sum.
     a, b = orig_call.args
+    acc = orig_call.attrs.out_dtype
+    acc = _dtype(a) if acc is None or str(acc) in ("", "void") else str(acc)
+    if acc != _dtype(a):
+        # a half-precision product accumulated in float32: so are its gradients, then rounded
+        wide = bb.normalize(op.matmul(op.astype(a, acc), op.astype(b, acc)))
+        return [op.astype(g, _dtype(x)) for g, x in zip(_matmul_grad(orig_var, wide, output_grad, bb), (a, b))]
     if len(_shape(a)) <= 2 or len(_shape(b)) != 2:
         return _op_gradient.matmul_grad(orig_var, orig_call, output_grad, bb)
     k, n = _shape(b)
@@ -270,6 +276,123 @@ def _take_grad(orig_var, orig_call, output_grad, bb):
         return [op.nn.pad(g, pad), op.grad.no_grad(indices)]
     flat = op.reshape(indices, [1])
     return [op.grad.take_backward(g, x, flat, axis), op.grad.no_grad(indices)]
+
+
+@register_gradient("relax.nn.avg_pool2d", level=11)  # overrides TVM's, wrong for a window past the padding
+def _avg_pool2d_grad(orig_var, orig_call, output_grad, bb):
+    # Each output spreads g / (its divisor) over its window, with PyTorch's divisors: a ceil_mode
+    # window that runs past the padding counts only up to it (TVM's rule divided by the whole
+    # window there, with count_include_pad). The spreading is a transposed convolution of each
+    # plane with a window of ones, cropped to the input.
+    a = orig_call.attrs
+    x = orig_call.args[0]
+    n, c, h, w = _shape(x)
+    ho, wo = _shape(orig_var)[2:]
+    (kh, kw), (sh, sw) = [int(v) for v in a.pool_size], [int(v) for v in a.strides]
+    pt, pl, pb, pr = [int(v) for v in a.padding]
+    if str(a.layout) != "NCHW" or [int(v) for v in a.dilation] != [1, 1] or (pt, pl) != (pb, pr):
+        raise NotImplementedError("gradient of avg_pool2d other than NCHW, undilated, symmetric padding")
+    rows = _window_sizes(ho, h, kh, sh, pt, a.count_include_pad)
+    cols = _window_sizes(wo, w, kw, sw, pl, a.count_include_pad)
+    divisor = relax.const(np.outer(rows, cols).astype(_dtype(x)))
+    planes = op.reshape(op.divide(output_grad, divisor), [n * c, 1, ho, wo])
+    ones = relax.const(np.ones((1, 1, kh, kw), _dtype(x)))
+    full = bb.normalize(op.nn.conv2d_transpose(planes, ones, strides=(sh, sw)))  # the padded input's frame
+    fh, fw = _shape(full)[2:]
+    crop = op.strided_slice(full, [2, 3], [pt, pl], [min(pt + h, fh), min(pl + w, fw)])
+    short_h, short_w = max(pt + h - fh, 0), max(pl + w - fw, 0)  # rows/columns no window reaches
+    if short_h or short_w:
+        crop = op.nn.pad(crop, [0, 0, 0, 0, 0, short_h, 0, short_w])
+    return [op.reshape(crop, [n, c, h, w])]
+
+
+def _window_sizes(outs, size, k, stride, pad, count_include_pad):
+    """PyTorch's avg-pool divisor along one dim: each window clipped to the padded input, and to
+    the input itself without count_include_pad."""
+    sizes = []
+    for o in range(outs):
+        start = o * stride - pad
+        end = min(start + k, size + pad)
+        if not count_include_pad:
+            start, end = max(start, 0), min(end, size)
+        sizes.append(end - start)
+    return np.array(sizes)
+
+
+@_register("relax.nn.adaptive_avg_pool2d")
+def _adaptive_avg_pool2d_grad(orig_var, orig_call, output_grad, bb):
+    # Window o of a dim spans [floor(o * in / out), ceil((o + 1) * in / out)) (PyTorch's split);
+    # each output spreads g / (its window's area) over it: per plane, S_h @ (g / area) @ S_w^T
+    # with S[i, o] = 1 where window o covers position i.
+    a = orig_call.attrs
+    x = orig_call.args[0]
+    if str(a.layout) != "NCHW" or str(a.out_layout) != "NCHW":
+        raise NotImplementedError("gradient of adaptive_avg_pool2d other than NCHW")
+    h, w = _shape(x)[2:]
+    ho, wo = _shape(orig_var)[2:]
+    spread_h, spread_w = _adaptive_spread(h, ho, _dtype(x)), _adaptive_spread(w, wo, _dtype(x))
+    area = np.outer(spread_h.sum(0), spread_w.sum(0)).astype(_dtype(x))
+    scaled = op.divide(output_grad, relax.const(area))
+    return [op.matmul(op.matmul(relax.const(spread_h), scaled), relax.const(np.ascontiguousarray(spread_w.T)))]
+
+
+def _adaptive_spread(size, outs, dtype):
+    """(size, outs) matrix of ones where adaptive window o covers position i."""
+    spread = np.zeros((size, outs), dtype)
+    for o in range(outs):
+        spread[o * size // outs: -(-(o + 1) * size // outs), o] = 1
+    return spread
+
+
+@_register("relax.bitwise_not")
+def _bitwise_not_grad(orig_var, orig_call, output_grad, bb):
+    # of an integer or bool tensor (~mask): nothing to differentiate
+    return [op.grad.no_grad(orig_call.args[0])]
+
+
+# Activations a scripted model reaches through TVM's rules, with PyTorch's backward formulas
+# (at the bounds too: hardtanh's gradient is 0 where x is a bound).
+@_register("relax.clip")
+def _clip_grad(orig_var, orig_call, output_grad, bb):
+    x, lo, hi = orig_call.args
+    inside = op.logical_and(op.greater(x, _bound(lo, x)), op.less(x, _bound(hi, x)))
+    return [op.where(inside, output_grad, _const(0, x)), op.grad.no_grad(lo), op.grad.no_grad(hi)]
+
+
+def _bound(value, like):
+    """A clip bound (a PrimValue, or the literal it holds) as a constant of `like`'s dtype."""
+    while hasattr(value, "value"):
+        value = value.value
+    return _const(float(value), like)
+
+
+@_register("relax.nn.leakyrelu")
+def _leakyrelu_grad(orig_var, orig_call, output_grad, bb):
+    x = orig_call.args[0]
+    slope = float(orig_call.attrs.alpha)
+    return [op.where(op.greater(x, _const(0, x)), output_grad, op.multiply(output_grad, _const(slope, x)))]
+
+
+@_register("relax.nn.softplus")
+def _softplus_grad(orig_var, orig_call, output_grad, bb):
+    # g where beta * x > threshold (softplus is x there), else g * sigmoid(beta * x)
+    x = orig_call.args[0]
+    beta, threshold = float(orig_call.attrs.beta), float(orig_call.attrs.threshold)
+    bx = op.multiply(x, _const(beta, x))
+    return [op.where(op.greater(bx, _const(threshold, x)), output_grad, op.multiply(output_grad, op.sigmoid(bx)))]
+
+
+@_register("relax.nn.prelu")
+def _prelu_grad(orig_var, orig_call, output_grad, bb):
+    x, w = orig_call.args
+    axis = int(orig_call.attrs.axis) % len(_shape(x))
+    shape = [1] * len(_shape(x))
+    shape[axis] = _shape(w)[0]
+    wb = op.reshape(w, shape)
+    positive = op.greater(x, _const(0, x))
+    gw = op.where(positive, _const(0, x), op.multiply(x, output_grad))
+    gw = op.sum(gw, [d for d in range(len(shape)) if d != axis or _shape(w)[0] == 1])
+    return [op.where(positive, output_grad, op.multiply(wb, output_grad)), op.reshape(gw, _shape(w))]
 
 
 @_register("relax.nn.dropout")

@@ -14,7 +14,7 @@ from tvm import IRModule, relax
 from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
 
 from . import dtypes
-from .ops import RULES, TIR_RULES
+from .ops import RULES, SCRIPT_RULES, TIR_RULES
 
 
 class LoweringError(RuntimeError):
@@ -49,6 +49,8 @@ class Importer(ExportedProgramImporter):
                 table.pop(name, None)
             elif not (self.differentiable and name in TIR_RULES and name in self.tvm_rules):
                 table[name] = functools.partial(fn, self)
+        if self.differentiable:
+            table.update({name: functools.partial(fn, self) for name, fn in SCRIPT_RULES.items()})
         return table
 
 

@@ -2,7 +2,7 @@
 import tvm
 from tvm import relax
 
-from . import inplace
+from . import cuda_graph, inplace
 from .library_dispatch import library_dispatch_pass
 from .simplify import expand_attention, fold_transposes
 from .targets import Options, Target, resolve_target  # noqa: F401  (resolve_target: imported from here too)
@@ -11,8 +11,10 @@ from .targets import Options, Target, resolve_target  # noqa: F401  (resolve_tar
 def _stages(target: Target, options: Options, donate=(), donated=None, kernel_pass=None) -> list:
     """TVM's pipeline for the target, with the target's legalization rules first, then tuning
     (`kernel_pass`, see tuning.py: it schedules kernels right after FuseTIR, before the default
-    schedules), the target's own schedules and buffer donation (see inplace.py)."""
+    schedules), the target's own schedules, buffer donation (see inplace.py) and, with
+    `options.cuda_graph`, CUDA graphs (see cuda_graph.py)."""
     stages = target.stages()
+    donated = donated if donated is not None else []
     legalize = stages.legalize_passes(target.tvm)
     legalize.insert(0, relax.transform.LegalizeOps(dict(target.legalize)))
     if kernel_pass is not None:
@@ -20,12 +22,20 @@ def _stages(target: Target, options: Options, donate=(), donated=None, kernel_pa
     if options.schedule and target.schedule is not None:
         legalize.append(target.schedule())
     if donate:  # after fusion and scheduling: each op is a call_tir whose PrimFunc is final
-        legalize.append(inplace.donate(donate, donated if donated is not None else []))
+        legalize.append(inplace.donate(donate, donated))
+    finalize = stages.finalize_passes(target.tvm)
+    if options.cuda_graph:
+        place, capture = cuda_graph.passes(donated)
+        legalize.append(place)
+        # TVM's rewrite needs the planned memory; it runs in place of the pipeline's own (which
+        # does nothing without the pass config) so that it is undone where it would be unsafe.
+        planned = next(k for k, p in enumerate(finalize) if p.info.name == "StaticPlanBlockMemory")
+        finalize.insert(planned + 1, capture)
     return (
         stages.library_dispatch_passes(target.tvm)
         + legalize
         + stages.dataflow_lower_passes(target.tvm)
-        + stages.finalize_passes(target.tvm)
+        + finalize
     )
 
 

@@ -41,7 +41,7 @@ class Injective(CPUScheduleRule):
             return None
         sch = s_tir.Schedule(func)
         infos = normalize_prim_func(sch)
-        if not infos or not all(info.is_injective() and _writes_own_point(sch.get(info.block_rv)) for info in infos):
+        if not infos or not all(_elementwise(sch, info) for info in infos):
             return None
         _fuse_elementwise(sch, infos)
         return sch
@@ -95,8 +95,7 @@ class Contraction(CPUScheduleRule):
         if len(reductions) != 1:
             return None
         main = reductions[0]
-        if not all(info is main or (info.is_injective() and _writes_own_point(sch.get(info.block_rv)))
-                   for info in infos):
+        if not all(info is main or _elementwise(sch, info) for info in infos):
             return None
         block = sch.get(main.block_rv)
         found = _multiply_add(block)
@@ -324,7 +323,7 @@ def _reduction_block(rule, func, target, contiguous):
     if not infos or not infos[-1].is_reduction():
         return None
     *prologue, last = infos
-    if not all(info.is_injective() and _writes_own_point(sch.get(info.block_rv)) for info in prologue):
+    if not all(_elementwise(sch, info) for info in prologue):
         return None
     try:
         for info in prologue:
@@ -380,6 +379,19 @@ def _vectorize_innermost(sch, loops, extents):
         total *= e
     if outer and total >= _MIN_PARALLEL:
         sch.parallel(sch.fuse(*outer) if len(outer) > 1 else outer[0])
+
+
+def _elementwise(sch, info) -> bool:
+    """Whether a block is elementwise: one output point per iteration, computed from inputs alone.
+
+    dlight calls a block injective when its iterators are all spatial, which a reduction
+    over an axis of extent 1 is too once normalized (a matmul with k = 1). Such a block
+    keeps its T.init(), and its reads omit the output it accumulates into: inlined
+    like an elementwise block, an epilogue rsqrt(c) became rsqrt(0) for the init and
+    rsqrt(inf + a * b) = 0 for the update.
+    """
+    block = sch.get(info.block_rv)
+    return bool(info.is_injective()) and block.init is None and _writes_own_point(block)
 
 
 def _writes_own_point(block) -> bool:

@@ -30,6 +30,7 @@ class Options:
     library: bool = False  # heavy ops become ratex.lib.* kernel calls (library_dispatch.py)
     library_min_macs: int = 0  # ... those of at least this many multiply-adds
     schedule: bool = True  # the target's own schedules for TVM-generated kernels, where it has them
+    cuda_graph: bool = False  # kernels launched as captured CUDA graphs where safe (cuda_graph.py)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -45,6 +46,7 @@ class Target:
     tunable: bool = False  # MetaSchedule tuning (tuning.py) applies to its kernels
     host_kernels: bool = False  # built for the host: rules may emit TIR loops run there (Importer.host_kernels)
     auto_min_macs: int = 0  # under kernels=auto, float products smaller than this stay TVM code
+    cuda_graphs: bool = False  # its programs can replay CUDA graphs (Options.cuda_graph)
 
     @property
     def key(self) -> str:
@@ -59,14 +61,17 @@ class Target:
         """Return the module of TVM's pass pipeline for this target (imported on first use)."""
         return importlib.import_module(self.pipeline)
 
-    def options(self, kernels: str = "auto", library_runs: bool = True, schedule: bool = True) -> Options:
+    def options(self, kernels: str = "auto", library_runs: bool = True, schedule: bool = True,
+                cuda_graph: bool = False) -> Options:
         """Return the compile options for RATEX_KERNELS-style `kernels` ('auto', 'library', 'tvm') where the
-        kernel library can run on the device (`library_runs`), with the target's schedules on or off."""
+        kernel library can run on the device (`library_runs`), with the target's schedules on or off, and
+        CUDA graphs where asked for and the target has them."""
         if kernels not in KERNELS:
             raise ValueError(f"kernels={kernels!r} is not valid; use one of: {', '.join(KERNELS)}")
         library = kernels != "tvm" and library_runs
         min_macs = self.auto_min_macs if library and kernels == "auto" else 0
-        return Options(library=library, library_min_macs=min_macs, schedule=schedule)
+        return Options(library=library, library_min_macs=min_macs, schedule=schedule,
+                       cuda_graph=cuda_graph and self.cuda_graphs)
 
 
 _REGISTRY = {}  # name -> factory(arch) -> Target
@@ -126,7 +131,7 @@ def _cuda(arch: Optional[str]) -> Target:
         name="GPU",
         tvm=tvm.target.Target({"kind": "cuda", "arch": arch or "sm_90"}),
         runtime_device=tvm.cuda,
-        pipeline="tvm.relax.backend.cuda.pipeline",
+        pipeline="tvm_lowering.cuda_pipeline",  # TVM's, its default schedules tolerant of a failing rule
         # relu that keeps NaN; max-pool gradients as a gather: TVM's own rule is a scatter that
         # the CUDA pipeline's default schedules reject.
         legalize={**fastmath.EXACT, **pool_grad.LEGALIZE},
@@ -134,6 +139,7 @@ def _cuda(arch: Optional[str]) -> Target:
         # convolution is a plain loop nest per thread (LeNet-5 b64's step ran 3-4x eager CUDA's),
         # and small sizes were not measured apart.
         auto_min_macs=0,
+        cuda_graphs=True,
     )
 
 

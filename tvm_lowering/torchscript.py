@@ -31,6 +31,8 @@ import threading
 import torch
 from torch import fx
 from torch.utils import _pytree as pytree
+import tvm
+from tvm import relax
 
 from . import autodiff
 from .importer import import_graph
@@ -354,8 +356,13 @@ class _Converter:
         meta_args, meta_kwargs = pytree.tree_map(
             lambda x: x.meta["val"] if isinstance(x, fx.Node) else x, (args, kwargs)
         )
-        if any(a.name == "device" for a in op._schema.arguments):
-            meta_kwargs["device"] = "meta"
+        names = [a.name for a in op._schema.arguments]
+        if "device" in names:  # positional in to.device, keyword-only in the factories
+            where = names.index("device")
+            if where < len(meta_args):
+                meta_args[where] = "meta"
+            else:
+                meta_kwargs["device"] = "meta"
         try:
             val = op(*meta_args, **meta_kwargs)
         except Exception as exc:
@@ -393,6 +400,19 @@ class _Module:
         self.path = path
 
 
+def _tir_kernels(fn) -> list:
+    """Names of the PrimFuncs that Relax function `fn` calls with call_tir."""
+    call_tir = tvm.ir.Op.get("relax.call_tir")
+    names = []
+
+    def visit(expr):
+        if isinstance(expr, relax.Call) and expr.op.same_as(call_tir):
+            names.append(expr.args[0].name_hint)
+
+    relax.analysis.post_order_visit(fn.body, visit)
+    return sorted(set(names))
+
+
 def convert(graph, input_metas, attr_metas, diff_inputs=(), diff_attrs=None) -> Script:
     """Convert an inlined TorchScript graph (of a traced module) to a Script.
 
@@ -408,6 +428,9 @@ def convert(graph, input_metas, attr_metas, diff_inputs=(), diff_attrs=None) -> 
     fxg.lint()
     mod = import_graph(fxg, name="fwd", differentiable=True)
     fwd = mod["fwd"]
+    kernels = _tir_kernels(fwd)
+    if kernels:  # neither differentiable nor callable once fwd is inlined without the module's PrimFuncs
+        raise ConversionError(f"a rule emitted TIR kernels {kernels} where Relax ops are needed")
     n_in = conv.n_inputs
     diff = [i for i in diff_inputs if input_metas[i][1].is_floating_point]
     for j, path in enumerate(conv.attr_paths):

@@ -4,9 +4,8 @@ On CPU, device data is a contiguous torch CPU tensor that TVM reads and
 writes through DLPack without copies, or the tvm-ffi tensor a program run on
 the native runner returned (most outputs only ever go back into the next
 program, so only those that are read become torch tensors, with no copy). On
-GPU it is a `tvm.runtime.Tensor` in CUDA memory (allocated by PyTorch's CUDA
-allocator where torch has CUDA, and shared with TVM by DLPack). Nothing
-outside this module needs to know which.
+GPU it is a torch CUDA tensor, shared with TVM by DLPack both ways (never
+through numpy). Nothing outside this module needs to know which.
 
 Each backend is registered under the name of its compile target
 (tvm_lowering/targets.py); RATEX_DEVICE picks both.
@@ -41,7 +40,7 @@ class CPUBackend:
     outputs a step, most read only by the next program)."""
 
     native_runner = True  # programs may run on the native runner's thread (csrc/runner.cc)
-    native_kernels = True  # the C++ library kernels (csrc/kernels.cc) make CPU tensors: they fit here
+    native_kernels = "cpu"  # the device type the C++ library kernels (csrc/kernels.cc) must handle
     library_runs = True  # ratex.lib.* kernels run PyTorch's CPU kernels
 
     def __init__(self):
@@ -92,60 +91,97 @@ class CPUBackend:
         return self.view_cpu(data).clone()
 
 
-@register("GPU")
-class GPUBackend:
-    """Device data = tvm.runtime.Tensor on the CUDA device."""
+class DLPackBackend:
+    """Device data = torch tensors on `torch_device`, which TVM reads and writes through DLPack:
+    no copies between the two, every dtype torch has (bool, bfloat16, ...), and TVM's kernels,
+    torch's library kernels and these copies all run in the order of one stream (torch's current
+    stream, which tvm-ffi hands TVM for each call that passes torch tensors).
 
-    native_runner = False
-    native_kernels = False  # they make CPU tensors; the Python kernels run torch's CUDA ones
-    library_runs = False  # ... where this torch has CUDA (set per instance)
+    The GPU backend is this class on CUDA. Built on the CPU device (tests), it runs the same code.
+    """
 
-    def __init__(self):
-        self.target = resolve_target("GPU", _cuda_arch())
-        self.dev = tvm.cuda(0)
-        self.torch_cuda = self.library_runs = torch.cuda.is_available()
+    native_runner = False  # the native runner's thread is for CPU programs (csrc/runner.cc)
+    native_kernels = None  # the device type the native kernels must handle (see kernels.py)
+    library_runs = True  # ratex.lib.* kernels run torch's kernels for this device
+
+    def __init__(self, target, torch_device: torch.device, tvm_device):
+        self.target = target
+        self.device = torch.device(torch_device)
+        self.tvm_device = tvm_device
+        cuda = self.device.type == "cuda"
+        self._pinned = cuda  # host copies go through page-locked memory (see `upload`)
+        # A program counts as done (wait_device_ops, ExecuteTime) once its kernels have run:
+        # its executor thread waits for an event recorded behind them, not for the whole device.
+        self._done = torch.cuda.Event() if cuda else None
 
     def upload(self, cpu: torch.Tensor):
-        if self.torch_cuda and cpu.numel() > 0:
-            # From pinned memory the copy is queued behind the running program and this thread
-            # goes on tracing; TVM's own copy (below) waits for that program to finish.
-            pinned = cpu.detach().contiguous().pin_memory()
-            return tvm.runtime.from_dlpack(pinned.to("cuda", non_blocking=True))
-        return tvm.runtime.tensor(_numpy(cpu), device=self.dev)
+        """Return device data holding a private copy of `cpu`; the copy is queued, not waited for."""
+        src = cpu.detach()
+        if src.numel() == 1:  # a scalar (a learning rate, every step): the fill kernel carries it, exactly
+            return torch.full(src.shape, src.item(), dtype=src.dtype, device=self.device)
+        dst = torch.empty(src.shape, dtype=src.dtype, device=self.device)
+        if not src.numel():
+            return dst
+        if self._pinned:
+            # From page-locked memory the copy is queued behind the running program and this
+            # thread goes on tracing (from pageable memory it would wait for that program). The
+            # staging buffer comes from torch's caching host allocator, which takes a block back
+            # for reuse once the copy that reads it has run: no page-locking per upload.
+            src = torch.empty(src.shape, dtype=src.dtype, pin_memory=True).copy_(src)
+        return dst.copy_(src, non_blocking=True)
 
     adopt = upload
 
     def full(self, shape: tuple, value, dtype: torch.dtype):
-        if self.torch_cuda:  # filled on the GPU, in the order of the uploads
-            return tvm.runtime.from_dlpack(torch.full(shape, value, dtype=dtype, device="cuda"))
-        return self.upload(torch.full(shape, value, dtype=dtype))
+        """Return new device data of `shape` and `dtype` holding `value` everywhere (filled on the device)."""
+        return torch.full(shape, value, dtype=dtype, device=self.device)
 
     def download(self, data) -> torch.Tensor:
-        return _from_numpy(data.numpy(), data.dtype)
+        """Return a CPU tensor the caller may modify (it waits for the kernels that write `data`)."""
+        return self.tensor(data).to("cpu", copy=True)
 
     view_cpu = download
 
+    @staticmethod
+    def tensor(data) -> torch.Tensor:
+        """Return device data as a torch tensor (a tvm-ffi tensor is viewed, not copied)."""
+        return data if type(data) is torch.Tensor else torch.from_dlpack(data)
+
     def call(self, fn, inputs: list, empty: bool) -> list:
-        outs = list(fn(*inputs))
-        # Kernels launch asynchronously: wait here, on the executor thread, so that a program
-        # counts as done (wait_device_ops, ExecuteTime) when its kernels have run.
-        self.dev.sync()
+        """Run the compiled function `fn` on device data; return its outputs as device data, once
+        its kernels have run. `empty`: some input has no elements (see CPUBackend.call)."""
+        if empty:
+            inputs = [self._empty(x) if x.numel() == 0 else x for x in inputs]
+        outs = [self.tensor(o) for o in fn(*inputs)[:]]
+        if self._done is not None:
+            self._done.record()
+            self._done.synchronize()
         return outs
 
+    def _empty(self, data):
+        return tvm.runtime.empty(tuple(data.shape), str(data.dtype).replace("torch.", ""), self.tvm_device)
+
     def copy(self, data):
-        return data.copyto(self.dev)
+        """Return device data holding a copy of `data` in a buffer of its own."""
+        return self.tensor(data).clone()
 
 
-def _numpy(cpu: torch.Tensor):
-    t = cpu.detach().contiguous()
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy()  # numpy has no bf16; bits travel as int16
-    return t.numpy()
+@register("GPU")
+class GPUBackend(DLPackBackend):
+    """Device data = torch CUDA tensors: PyTorch's allocator holds them, TVM's kernels and the
+    library's (torch's CUDA kernels) read and write them in place."""
 
+    native_kernels = "cuda"  # where the native library was built against a torch with CUDA
 
-def _from_numpy(array, dtype: str) -> torch.Tensor:
-    t = torch.from_numpy(array.copy())
-    return t.view(torch.bfloat16) if str(dtype) == "bfloat16" else t
+    def __init__(self):
+        arch = _cuda_arch()
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                f"RATEX_DEVICE=GPU needs a PyTorch build with CUDA, but torch {torch.__version__} has none "
+                "(device data are torch CUDA tensors that TVM shares through DLPack); "
+                "install a CUDA build of torch, or use RATEX_DEVICE=CPU"
+            )
+        super().__init__(resolve_target("GPU", arch), torch.device("cuda", 0), tvm.cuda(0))
 
 
 def _cuda_arch() -> str:

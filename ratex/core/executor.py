@@ -9,12 +9,14 @@ import tvm
 from tvm import relax
 
 import tvm_lowering
+from tvm_lowering.cuda_graph import GRAPH_INPUTS
 from tvm_lowering import disk_cache
 from .. import config, process
 from ..version import __version__
 from . import kernels  # noqa: F401  (registers the ratex.lib.* kernel library)
 from . import metrics, progress
 from .device import backend
+from .launch import Pending
 from .graph import Graph, to_fx
 from .render import format_graph
 
@@ -32,7 +34,8 @@ class Program:
     own its buffer (see `run`).
     """
 
-    __slots__ = ("fn", "vm", "mod", "executable", "donate", "constant", "aliasing", "label", "empty", "_launcher")
+    __slots__ = ("fn", "vm", "mod", "executable", "device", "donate", "constant", "aliasing", "label", "empty",
+                 "_launcher", "graph_inputs", "_graph_at")
 
     def __init__(self, executable, mod, device, donate=(), constant=(), aliasing=False):
         """`executable`: a VMExecutable, or a runtime module loaded from the disk cache (mod None).
@@ -42,6 +45,10 @@ class Program:
         self.fn = self.vm["main"]
         self.mod = mod
         self.executable = executable
+        self.device = device
+        # The inputs whose buffers the program's CUDA graphs hold (tvm_lowering/cuda_graph.py), or None
+        self.graph_inputs = tuple(self.vm[GRAPH_INPUTS]()) if self.vm.module.implements_function(GRAPH_INPUTS) else None
+        self._graph_at = None  # their addresses when the graphs were captured
         self.donate = frozenset(donate)
         self.constant = tuple(constant)
         self.aliasing = aliasing
@@ -72,12 +79,47 @@ class Program:
     def run(self, inputs: list) -> list:
         """Run on device data `inputs`; return device data, one per root."""
         be = backend()
+        if self.graph_inputs is not None:
+            self._check_graph_inputs(inputs)
         outs = be.call(self.fn, inputs, self.empty)
         if self.aliasing:
             for j in self.constant:  # a folded constant: the same buffer every run; donating it would change it
                 outs[j] = be.copy(outs[j])
             _own_buffers(be, inputs, outs, self.donate)
         return outs
+
+    def _check_graph_inputs(self, inputs: list):
+        """Replaying a CUDA graph reads and writes the buffers it was captured with: where an input
+        it holds comes in another buffer (a parameter given new data, not updated in place), a
+        fresh VM captures the graphs anew."""
+        at = tuple(inputs[k].data_ptr() for k in self.graph_inputs)
+        if self._graph_at is not None and at != self._graph_at:
+            self.vm = relax.VirtualMachine(self.executable, self.device)
+            self.fn = self.vm["main"]
+            metrics.counter_inc("CudaGraphRecapture")
+        self._graph_at = at
+
+    def may_capture(self, inputs: list) -> bool:
+        """Whether a run on `inputs` (device data or Pendings) may capture CUDA graphs: the first
+        run, or one whose held inputs are not known to be where the graphs hold them. TVM captures
+        in global mode on a stream that syncs with the legacy default stream, so nothing else may
+        touch the device meanwhile (launch.py runs such a run alone)."""
+        if self.graph_inputs is None:
+            return False
+        if self._graph_at is None:
+            return True
+        updates = dict(self.donate)  # input -> the output written into its buffer
+        for k, at in zip(self.graph_inputs, self._graph_at):
+            x = inputs[k]
+            if type(x) is Pending:
+                if x.job is not None and x.job.program is self and updates.get(k) == x.index:
+                    continue  # this program's own in-place update of input k: the buffer it was given
+                if x.job is not None:
+                    return True  # another program's output, not made yet
+                x = x.data
+            if x.data_ptr() != at:
+                return True
+        return False
 
 
 def constant_roots(graph: Graph) -> tuple:
@@ -121,9 +163,9 @@ def _own_buffers(be, inputs: list, outs: list, donate: frozenset):
 
 def compile_options(be=None) -> tvm_lowering.Options:
     """Return the compile options of the backend's target (default: the configured one) under the
-    current RATEX_KERNELS and RATEX_CPU_SCHEDULE (read now: tests change them)."""
+    current RATEX_KERNELS, RATEX_CPU_SCHEDULE and RATEX_CUDA_GRAPH (read now: tests change them)."""
     be = be if be is not None else backend()
-    return be.target.options(config.KERNELS.lower(), be.library_runs, config.CPU_SCHEDULE)
+    return be.target.options(config.KERNELS.lower(), be.library_runs, config.CPU_SCHEDULE, config.CUDA_GRAPH)
 
 
 def cache_key(graph: Graph, donate: tuple, aliasing: bool):

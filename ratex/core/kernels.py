@@ -11,7 +11,8 @@ Transposed operands arrive untransposed with a flag and are passed as strided vi
 
 These Python functions are the fallback: when the native library exists (csrc/kernels.cc,
 built by the install into the package as ratex/_lib/libratex_kernels.so: see setup.py) it
-replaces them with C++ versions of the same names and calling convention. Compiled
+replaces them with C++ versions of the same names and calling convention (on GPU, where it
+was built against a torch with CUDA). Compiled
 programs run on the executor thread while Python traces the next step, and each Python
 kernel call has to wait for the GIL (LeNet's pipelined steps ran their kernels 2.5x
 slower); the native ones never take it.
@@ -143,13 +144,23 @@ def _convolution_backward(g, x, w, attrs):
 
 @functools.lru_cache(maxsize=None)
 def _aten_call(attrs: str):
-    """(op, args template, kwargs) of a `ratex.lib.aten` call; see tvm_lowering/ops/library.py."""
+    """(op, positional args template, keyword args template) of a `ratex.lib.aten` call; see
+    tvm_lowering/ops/library.py. Template entries past the op's positional parameters go to their
+    keyword-only ones by name: ATen takes `approximate` of gelu only as `approximate=`."""
     cfg = json.loads(str(attrs))
     _, name, overload = cfg["op"].split(".")  # "aten.<op>.<overload>"
     op = getattr(getattr(aten, name), overload)
     args = [getattr(torch, a["dtype"]) if isinstance(a, dict) and "dtype" in a else a for a in cfg["args"]]
     kwargs = {k: getattr(torch, v) if k.endswith("dtype") and isinstance(v, str) else v for k, v in cfg["kwargs"].items()}
-    return op, args, kwargs
+    params = op._schema.arguments
+    positional = sum(not p.kwarg_only for p in params)
+    if len(args) > len(params):
+        raise TypeError(f"ratex.lib.aten_out: {cfg['op']} takes {len(params)} arguments, the call has {len(args)}")
+    for param, value in zip(params[positional:], args[positional:]):
+        if param.name in kwargs:
+            raise TypeError(f"ratex.lib.aten_out: {cfg['op']} got '{param.name}' by position and by keyword")
+        kwargs[param.name] = value
+    return op, args[:positional], kwargs
 
 
 @functools.lru_cache(maxsize=None)
@@ -167,13 +178,18 @@ def _out_overload(op):
 def _aten_out(*args):
     op, template, kwargs = _aten_call(args[-2])
     tensors = [torch.from_dlpack(x) for x in args[:-2]]
-    call = [tensors[a["tensor"]] if isinstance(a, dict) and "tensor" in a else a for a in template]
+
+    def value(a):
+        return tensors[a["tensor"]] if isinstance(a, dict) and "tensor" in a else a
+
+    call = [value(a) for a in template]
+    named = {k: value(a) for k, a in kwargs.items()}
     out = torch.from_dlpack(args[-1])
     out_op, out_name = _out_overload(op)
     if out_op is None:
-        out.copy_(op(*call, **kwargs))
+        out.copy_(op(*call, **named))
     else:
-        out_op(*call, **kwargs, **{out_name: out})
+        out_op(*call, **named, **{out_name: out})
 
 
 for _name, _fn in {
@@ -198,8 +214,10 @@ _REBUILD = "rebuild it with scripts/setup.sh in a checkout, or reinstall ratex"
 
 def _load_native():
     """The native kernel library, registered over the Python kernels; None when it is
-    turned off, not built, or built for another torch (its ATen ABI may differ)."""
-    if not config.NATIVE_KERNELS or not backend_class().native_kernels or not _NATIVE_PATH.exists():
+    turned off, not built, built for another torch (its ATen ABI may differ), or, for a GPU
+    backend, built without CUDA (it could not take the programs' CUDA tensors)."""
+    device_type = backend_class().native_kernels  # "cpu", "cuda", or None: the Python kernels
+    if not config.NATIVE_KERNELS or device_type is None or not _NATIVE_PATH.exists():
         return None
     try:
         lib = ctypes.CDLL(str(_NATIVE_PATH))
@@ -211,6 +229,11 @@ def _load_native():
     if built_for != torch.__version__:
         print(f"ratex: not using the native kernels (built for torch {built_for}, running {torch.__version__}); "
               f"{_REBUILD}")
+        return None
+    if device_type == "cuda" and not (hasattr(lib, "RatexNativeCuda") and lib.RatexNativeCuda()):
+        if torch.version.cuda is not None:  # (a torch without CUDA can't run the GPU backend at all)
+            print(f"ratex: not using the native kernels on GPU (built without CUDA: is the CUDA toolkit "
+                  f"installed?); {_REBUILD}")
         return None
     if lib.RatexRegisterNativeKernels() != 0:
         raise RuntimeError(f"registering the native kernels of {_NATIVE_PATH} failed")

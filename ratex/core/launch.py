@@ -274,6 +274,10 @@ def launch(job):
     if not config.ASYNC or _serial[0] > 0:
         job.run()
         return
+    if job.program.may_capture(job.inputs):  # capturing CUDA graphs: nothing else on the device meanwhile
+        drain()
+        job.run()
+        return
     launcher = job.program.launcher()
     while _in_flight and (_in_flight[0].finished() or len(_in_flight) >= MAX_IN_FLIGHT):
         _in_flight.popleft().wait()

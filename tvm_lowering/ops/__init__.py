@@ -21,7 +21,7 @@ One module per op family, helpers they share in `kit`:
   script       calls of converted TorchScript forwards and backwards
   library      matmul, convolution and friends as calls of the `ratex.lib.*` kernels
 """
-from .registry import RULES, TIR_RULES, rule  # noqa: F401  (the table, read by importer.py)
+from .registry import RULES, SCRIPT_RULES, TIR_RULES, rule  # noqa: F401  (the table, read by importer.py)
 
 # Imported for their registrations; library comes last: its rules wrap the ones registered before it.
 from . import (elementwise, reductions, nn, pooling, indexing, views, creation, backward,  # noqa: F401

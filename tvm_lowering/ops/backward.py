@@ -9,7 +9,7 @@ from tvm import relax, te, tirx
 
 from .. import pool_grad
 from .kit import (arg, cast, dtype, emit, emit_te, env, nll_pick, out_meta, pair, pool_window, scalar, scatter_into,
-                  shape, tuple_out, zeros)
+                  shape, to_dtype, tuple_out, zeros)
 from .registry import rule
 
 
@@ -89,6 +89,16 @@ def leaky_relu_backward(imp, node):
     slope = arg(node, 2, "negative_slope")
     dt = dtype(x)
     return emit(imp, op.where(op.greater(x, scalar(0.0, dt)), g, op.multiply(g, scalar(slope, dt))))
+
+
+@rule("softshrink_backward.default", "hardshrink_backward.default")
+def shrink_backward(imp, node):
+    """g where |x| > lambd, else 0 (both shrinks pass the gradient where they pass x; NaN passes)."""
+    g, x = env(imp, node.args[0]), env(imp, node.args[1])
+    lambd = arg(node, 2, "lambd")
+    dt = dtype(x)
+    dead = op.logical_and(op.greater_equal(x, scalar(-lambd, dt)), op.less_equal(x, scalar(lambd, dt)))
+    return emit(imp, op.where(dead, op.zeros_like(g), g))
 
 
 @rule("native_dropout_backward.default")
@@ -377,6 +387,10 @@ def native_layer_norm_backward(imp, node):
     w = env(imp, arg(node, 5, "weight"))
     b = env(imp, arg(node, 6, "bias"))
     mask = _mask(node, 7, "output_mask", 3)
+    dts = [None if t is None else dtype(t) for t in (x, w, b)]
+    # float16/bfloat16 in float32, each gradient rounded once (PyTorch's CPU kernel)
+    acc = "float32" if dtype(x) in ("float16", "bfloat16") else dtype(x)
+    go, x, mean, rstd, w = (None if t is None else cast(imp, t, acc) for t in (go, x, mean, rstd, w))
     nd, k = len(shape(x)), len(nshape)
     axes = list(range(nd - k, nd))
     batch_axes = list(range(0, nd - k))
@@ -392,7 +406,8 @@ def native_layer_norm_backward(imp, node):
         gw = emit(imp, op.sum(prod, axis=batch_axes) if batch_axes else prod)
     if mask[2] and b is not None:
         gb = emit(imp, op.sum(go, axis=batch_axes)) if batch_axes else go
-    return tuple_out(imp, node, [gi, gw, gb])
+    grads = [None if g is None else to_dtype(imp, g, dt) for g, dt in zip((gi, gw, gb), dts)]
+    return tuple_out(imp, node, grads)
 
 
 @rule("native_batch_norm_backward.default")
@@ -456,12 +471,12 @@ def embedding_dense_backward(imp, node):
         keep = op.expand_dims(op.not_equal(flat, relax.const(padding_idx, "int64")), -1)
         rows = emit(imp, op.where(keep, rows, op.zeros_like(rows)))
     if by_freq:
-        counts = emit(
-            imp,
-            op.scatter_elements(
-                zeros(imp, [num_weights], dt), flat, op.ones_like(cast(imp, flat, dt)), axis=0, reduction="add"
-            ),
-        )
-        rows = emit(imp, op.divide(rows, op.expand_dims(op.take(counts, flat, axis=0), -1)))
+        # PyTorch scales each row by 1 / count converted to the gradient's dtype (counted in float32:
+        # a bfloat16 count is exact only up to 256)
+        acc = "float64" if dt == "float64" else "float32"
+        ones = op.ones(relax.ShapeExpr([M]), acc)
+        counts = emit(imp, op.scatter_elements(zeros(imp, [num_weights], acc), flat, ones, axis=0, reduction="add"))
+        scale = to_dtype(imp, emit(imp, op.divide(scalar(1.0, acc), op.take(counts, flat, axis=0))), dt)
+        rows = emit(imp, op.multiply(rows, op.expand_dims(scale, -1)))
     index = emit(imp, op.broadcast_to(op.expand_dims(flat, -1), relax.ShapeExpr([M, D])))
     return emit(imp, op.scatter_elements(zeros(imp, [num_weights, D], dt), index, rows, axis=0, reduction="add"))

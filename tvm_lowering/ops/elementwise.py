@@ -24,7 +24,8 @@ import torch
 from tvm import relax, te, tirx
 
 from ..dtypes import to_tvm
-from .kit import arg, cast, dtype, emit, emit_te, env, filled, float_compute, horner, is_float, out_meta, pointwise
+from .kit import (arg, cast, dtype, emit, emit_te, env, filled, float_compute, horner, is_float, out_meta, pointwise,
+                  round_bf16, shape, to_dtype)
 from .registry import rule
 
 
@@ -33,7 +34,8 @@ from .registry import rule
 # float64; int / int stays int) and LLVM codegen rejects comparisons of bool/int8/uint8
 # and arithmetic on bool. These compute in the dtype PyTorch computes in: the output's
 # for arithmetic, torch.result_type of the inputs for comparisons; narrow integer and
-# bool math runs in int32 (exact for these ops) and is cast back.
+# bool math runs in int32 (exact for these ops) and is cast back; float16/bfloat16
+# arithmetic in float32, rounded once (PyTorch's CPU kernels' opmath).
 _ARITH = {
     "add.Tensor": relax.op.add, "sub.Tensor": relax.op.subtract, "mul.Tensor": relax.op.multiply,
     "div.Tensor": relax.op.divide, "maximum.default": relax.op.maximum, "minimum.default": relax.op.minimum,
@@ -45,6 +47,7 @@ _COMPARE = {
     for kind in ("Tensor", "Scalar")
 }
 _NARROW = {"bool", "int8", "uint8", "int16"}
+_HALF = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def _binary(imp, node):
@@ -59,6 +62,8 @@ def _binary(imp, node):
     compute = to_tvm(torch.result_type(*vals)) if name in _COMPARE else out_dtype
     if compute in _NARROW:
         compute = "int32"
+    elif compute in _HALF and name not in _COMPARE:
+        compute = "float32"  # as PyTorch's kernels: operands (a float32 scalar too) at float32, one rounding
     bb = imp.block_builder
     if name == "div.Tensor" and not hasattr(node.args[1], "meta") and node.args[1] == 0 \
             and compute.startswith("float"):
@@ -71,7 +76,7 @@ def _binary(imp, node):
     if alpha != 1:
         operands[1] = bb.emit(relax.op.multiply(operands[1], relax.const(alpha, compute)))
     out = bb.emit({**_ARITH, **_COMPARE}[name](*operands))
-    return out if compute == out_dtype else bb.emit(relax.op.astype(out, out_dtype))
+    return out if compute == out_dtype else to_dtype(imp, out, out_dtype)
 
 
 rule(*_ARITH, *_COMPARE)(_binary)
@@ -82,7 +87,7 @@ def addcmul(imp, node):
     """self + value * t1 * t2, computed in the output's dtype (narrow integers in int32).
     ratex records an optimizer's `p.add_(buf, alpha=-lr)` as addcmul(p, buf, lr_input)."""
     out_dtype = to_tvm(node.meta["val"].dtype)
-    compute = "int32" if out_dtype in _NARROW else out_dtype
+    compute = "int32" if out_dtype in _NARROW else "float32" if out_dtype in _HALF else out_dtype
     bb = imp.block_builder
     x, t1, t2 = (cast(imp, imp.env[a], compute) for a in node.args[:3])
     prod = bb.emit(relax.op.multiply(t1, t2))
@@ -90,7 +95,7 @@ def addcmul(imp, node):
     if value != 1:
         prod = bb.emit(relax.op.multiply(relax.const(value, compute), prod))
     out = bb.emit(relax.op.add(x, prod))
-    return out if compute == out_dtype else bb.emit(relax.op.astype(out, out_dtype))
+    return out if compute == out_dtype else to_dtype(imp, out, out_dtype)
 
 
 @rule("rsub.Scalar")
@@ -123,6 +128,16 @@ def where(imp, node):
     return emit(imp, relax.op.where(cast(imp, cond, "bool"), *branches))
 
 
+@rule("masked_fill.Scalar")
+def masked_fill(imp, node):
+    """where(mask, value, x) with the value a constant of x's dtype (TVM's rule legalizes a
+    +-inf or NaN fill through a `full` whose dtype TVM's own kernel then can't read)."""
+    _, dt = out_meta(node)
+    x, mask = env(imp, node.args[0]), env(imp, node.args[1])
+    value = relax.const(arg(node, 2, "value"), dt)
+    return emit(imp, relax.op.where(cast(imp, mask, "bool"), value, cast(imp, x, dt)))
+
+
 # ---- clamps -----------------------------------------------------------------------------------
 @rule("clamp.default")
 def clamp(imp, node):
@@ -138,8 +153,9 @@ def clamp(imp, node):
         out = emit(imp, relax.op.maximum(out, relax.const(lo, dt)))
     if hi is not None:
         out = emit(imp, relax.op.minimum(out, relax.const(hi, dt)))
-    if is_float(dt):
-        out = emit(imp, relax.op.where(relax.op.isnan(x), x, out))
+    if is_float(dt):  # TVM's isnan takes no bfloat16: test the exact float32 value
+        nan = relax.op.isnan(cast(imp, x, "float32") if dt == "bfloat16" else x)
+        out = emit(imp, relax.op.where(nan, x, out))
     return out
 
 
@@ -159,31 +175,59 @@ def clamp_tensor(imp, node):
     return out
 
 
-# ---- casts to bfloat16 ------------------------------------------------------------------------
-# TVM computes bfloat16 in float32 and, inside a fused kernel, folds
-# float32 -> bfloat16 -> float32 casts away, so `x.bfloat16().float()` would not round.
-# The cast rounds explicitly (to nearest even, as PyTorch does) while still float32;
-# the bfloat16 cast that follows is then exact, folded or not.
-def _round_to_bf16_te(x):
-    def at(*i):
-        v = x(*i)
-        bits = tirx.reinterpret("uint32", v)
-        odd = (bits >> tirx.const(16, "uint32")) & tirx.const(1, "uint32")
-        up = (bits + tirx.const(0x7FFF, "uint32") + odd) & tirx.const(0xFFFF0000, "uint32")
-        return tirx.Select(tirx.isnan(v), v, tirx.reinterpret("float32", up))
-
-    return te.compute(x.shape, at, name="round_to_bfloat16")
-
-
+# ---- casts ------------------------------------------------------------------------------------
 @rule("_to_copy.default")
 def to_copy(imp, node):
     out = imp.tvm_rules["_to_copy.default"](node)
     x = imp.env[node.args[0]]
     if str(out.ty.dtype) != "bfloat16" or str(x.ty.dtype) == "bfloat16":
         return out
-    bb = imp.block_builder
-    x32 = x if str(x.ty.dtype) == "float32" else bb.emit(relax.op.astype(x, "float32"))
-    return bb.emit(relax.op.astype(bb.emit_te(_round_to_bf16_te, x32), "bfloat16"))
+    return to_dtype(imp, x, "bfloat16")
+
+
+@rule("to.device", "to.dtype", "to.dtype_layout", "to.other")
+def to(imp, node):
+    """The forms a TorchScript trace records: a cast to the dtype PyTorch says (the device is
+    the program's own). TVM's rule keeps x's dtype when a device comes first."""
+    return to_dtype(imp, env(imp, node.args[0]), out_meta(node)[1])
+
+
+# ---- powers in half precision -----------------------------------------------------------------
+# TVM's power takes float32/float64 only. PyTorch's CPU kernels compute a float16 or bfloat16
+# power in float32 with the exponent first converted to the tensor's dtype, and round once;
+# bfloat16's x^3 and x^-2 are products of bfloat16 values, rounded after each operation.
+@rule("pow.Tensor_Scalar", "pow.Tensor_Tensor")
+def power(imp, node):
+    shp, dt = out_meta(node)
+    if dt not in _HALF:
+        return imp.tvm_rules[node.target.__name__](node)
+    if imp.differentiable:  # Relax's power, which has a gradient, in float32
+        x, e = (cast(imp, env(imp, a), "float32") if isinstance(a, torch.fx.Node) else relax.const(a, "float32")
+                for a in node.args[:2])
+        return cast(imp, emit(imp, relax.op.power(x, e)), dt)
+    x = cast(imp, to_dtype(imp, env(imp, node.args[0]), dt), "float32")
+    e = node.args[1]
+    if isinstance(e, torch.fx.Node):
+        e = cast(imp, to_dtype(imp, env(imp, e), dt), "float32")
+        args = [t if shape(t) == shp else emit(imp, relax.op.broadcast_to(t, shp)) for t in (x, e)]
+        return _half_kernel(imp, dt, shp, lambda v, p: tirx.pow(v, p), *args)
+    e = torch.tensor(float(e), dtype=_HALF[dt]).item()
+    r = round_bf16 if dt == "bfloat16" else (lambda v: v)
+    one = tirx.const(1.0, "float32")
+    special = {3.0: lambda v: r(v * v) * v, -2.0: lambda v: one / r(v * v), 2.0: lambda v: v * v,
+               0.5: tirx.sqrt, -1.0: lambda v: one / v}
+    fn = special.get(e)  # float16's single rounding gives the same: these products of float16 are exact in float32
+    x = x if shape(x) == shp else emit(imp, relax.op.broadcast_to(x, shp))
+    return _half_kernel(imp, dt, shp, fn or (lambda v: tirx.pow(v, tirx.const(e, "float32"))), x)
+
+
+def _half_kernel(imp, dt, shp, fn, *args):
+    """fn of float32 elements, rounded to `dt` (bfloat16: explicitly, see kit.round_bf16)."""
+    def at(*values):
+        value = fn(*values)
+        return (round_bf16(value) if dt == "bfloat16" else value).astype(dt)
+
+    return emit_te(imp, lambda *ts: te.compute(shp, lambda *i: at(*(t(*i) for t in ts)), name="pow"), *args)
 
 
 # ---- functions accurate near zero -------------------------------------------------------------
@@ -252,6 +296,13 @@ def selu(imp, node):
     return _elu(imp, env(imp, node.args[0]), 1.6732632423543772, 1.0507009873554805, 1.0)
 
 
+@rule("celu.default")
+def celu(imp, node):
+    """celu(x, alpha) is elu(x, alpha, 1, 1 / alpha) (TVM's rule divides exp(x), not x, by alpha)."""
+    alpha = float(arg(node, 1, "alpha", 1.0))  # never 0: PyTorch's shape inference rejects it
+    return _elu(imp, env(imp, node.args[0]), alpha, 1.0, 1.0 / alpha)
+
+
 def _elu(imp, x, alpha, scale, input_scale):
     """scale * x for x > 0, alpha * scale * expm1(input_scale * x) below. In a jit.script forward
     it is made of Relax ops, which Relax's Gradient can differentiate, with exp(x) - 1 for expm1."""
@@ -271,6 +322,61 @@ def _elu(imp, x, alpha, scale, input_scale):
         return te.compute(t.shape, at, name="elu")
 
     return emit_te(imp, compute, x)
+
+
+# ---- activations in a jit.script forward ------------------------------------------------------
+# Composite ops the lazy device sees as their parts; a scripted forward records them whole.
+# Written in Relax ops whose gradients (TVM's and autodiff.py's) are PyTorch's backward
+# formulas, at the thresholds too: where(c, a, b) passes the gradient of the branch taken.
+def _activation(fn):
+    """A script rule computing fn(x, const, *args) on the node's first argument."""
+    def lower(imp, node):
+        x = env(imp, node.args[0])
+        dt = dtype(x)
+        return emit(imp, fn(x, lambda v: relax.const(v, dt), *node.args[1:]))
+
+    return lower
+
+
+def _threshold(x, c, threshold, value):
+    return relax.op.where(relax.op.less_equal(x, c(threshold)), c(value), x)
+
+
+def _hardshrink(x, c, lambd=0.5):
+    dead = relax.op.logical_and(relax.op.greater_equal(x, c(-lambd)), relax.op.less_equal(x, c(lambd)))
+    return relax.op.where(dead, c(0.0), x)
+
+
+def _hardswish(x, c):
+    # x * (x + 3) / 6 strictly between -3 and 3, in PyTorch's order (its backward's bounds); x * 0
+    # below keeps PyTorch's -0.0
+    inner = relax.op.divide(relax.op.multiply(x, relax.op.add(x, c(3.0))), c(6.0))
+    low = relax.op.multiply(x, c(0.0))
+    return relax.op.where(relax.op.less_equal(x, c(-3.0)), low, relax.op.where(relax.op.less(x, c(3.0)), inner, x))
+
+
+def _log_sigmoid(x, c):
+    return relax.op.negative(relax.op.nn.softplus(relax.op.negative(x)))  # its gradient at 0 is sigmoid(0)
+
+
+def _mish(x, c):
+    return relax.op.multiply(x, relax.op.tanh(relax.op.nn.softplus(x)))
+
+
+def _rrelu(x, c, lower=1 / 8, upper=1 / 3, training=False, generator=None):
+    if training:
+        raise NotImplementedError("rrelu in training mode in a scripted forward (random slopes)")
+    return relax.op.nn.leakyrelu(x, (lower + upper) / 2)
+
+
+def _glu(x, c, dim=-1):
+    a, b = (relax.TupleGetItem(relax.op.split(x, 2, axis=dim), i) for i in (0, 1))
+    return relax.op.multiply(a, relax.op.sigmoid(b))
+
+
+for _name, _fn in (("threshold", _threshold), ("hardshrink", _hardshrink), ("hardswish", _hardswish),
+                   ("log_sigmoid", _log_sigmoid), ("mish", _mish), ("rrelu", _rrelu), ("glu", _glu)):
+    rule(f"{_name}.default", script=True)(_activation(_fn))
 
 
 @rule("log1p.default", tir=True)

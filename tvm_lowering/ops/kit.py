@@ -128,6 +128,33 @@ def pool_window(node, first=1):
     return kernel, pair(stride) if stride else kernel, pair(arg(node, first + 2, "padding", 0))
 
 
+# ---- bfloat16 rounding ------------------------------------------------------------------------
+# TVM computes bfloat16 in float32 and, inside a fused kernel, folds
+# float32 -> bfloat16 -> float32 casts away, so `x.bfloat16().float()` would not round.
+# Rounding explicitly (to nearest even, as PyTorch does) while still float32 makes the
+# bfloat16 cast that follows exact, folded or not.
+def round_bf16(v):
+    """A float32 TIR value rounded to the nearest bfloat16 (ties to even), still float32; NaN stays NaN."""
+    bits = tirx.reinterpret("uint32", v)
+    odd = (bits >> tirx.const(16, "uint32")) & tirx.const(1, "uint32")
+    up = (bits + tirx.const(0x7FFF, "uint32") + odd) & tirx.const(0xFFFF0000, "uint32")
+    return tirx.Select(tirx.isnan(v), v, tirx.reinterpret("float32", up))
+
+
+def _round_to_bf16_te(x):
+    return te.compute(x.shape, lambda *i: round_bf16(x(*i)), name="round_to_bfloat16")
+
+
+def to_dtype(imp, x, dt):
+    """`x` cast to `dt`; to bfloat16 rounded to nearest even, as PyTorch rounds.
+
+    In a jit.script forward a plain cast: the rounding is a TIR kernel, which Relax's Gradient
+    cannot differentiate."""
+    if dt != "bfloat16" or dtype(x) == "bfloat16" or imp.differentiable:
+        return cast(imp, x, dt)
+    return emit(imp, relax.op.astype(emit_te(imp, _round_to_bf16_te, cast(imp, x, "float32")), "bfloat16"))
+
+
 # ---- TIR expressions and elementwise kernels --------------------------------------------------
 def horner(x, coeffs):
     """coeffs[0] + coeffs[1] x + coeffs[2] x^2 + ... for a TIR expression `x`, in x's dtype."""
@@ -140,7 +167,7 @@ def horner(x, coeffs):
 
 def pointwise(imp, node, fn, compute, nargs=1):
     """`fn` per element of the node's first `nargs` arguments, broadcast to the output shape and
-    cast to `compute` first; the result is cast to the output dtype.
+    cast to `compute` first; the result is cast to the output dtype (to bfloat16 rounded as PyTorch rounds).
 
     `fn` may use a subexpression more than once, but must not bind it with a tirx.Let: TVM's
     bfloat16 legalization computes garbage from a Let whose value reads a bfloat16 tensor,
@@ -151,9 +178,14 @@ def pointwise(imp, node, fn, compute, nargs=1):
         x = cast(imp, env(imp, a), compute) if isinstance(a, torch.fx.Node) else relax.const(a, compute)
         xs.append(x if shape(x) == out_shape else emit(imp, relax.op.broadcast_to(x, out_shape)))
 
+    def at(*values):
+        value = fn(*values)
+        if out_dt == "bfloat16" and str(value.ty) == "float32":
+            value = round_bf16(value)
+        return value.astype(out_dt)
+
     def kernel(*ts):
-        return te.compute(out_shape, lambda *i: fn(*(t(*i) for t in ts)).astype(out_dt),
-                          name=node.target.__name__.split(".")[0])
+        return te.compute(out_shape, lambda *i: at(*(t(*i) for t in ts)), name=node.target.__name__.split(".")[0])
 
     return imp.block_builder.emit_te(kernel, *xs)
 
@@ -282,8 +314,9 @@ def scatter_into(imp, x, axis, index, src, reduce, include_self=True):
     src = cast(imp, src, dtype(x))
     off_axis = [n for d, n in enumerate(xs) if d != axis]
     spans_x = off_axis == [n for d, n in enumerate(ishape) if d != axis]
-    if not imp.host_kernels and reduce in ("update", "sum") and spans_x:
-        # TVM's scatter_elements has a GPU kernel, and is right where index spans x off the axis.
+    if not imp.host_kernels and (reduce == "update" or reduce == "sum" and include_self) and spans_x:
+        # TVM's scatter_elements has a GPU kernel, and is right where index spans x off the axis
+        # (its sum always starts from x: include_self=False goes the host loops' way, so falls back).
         if shape(src) != ishape:
             src = emit(imp, relax.op.strided_slice(src, list(range(len(ishape))), [0] * len(ishape), ishape))
         reduction = "add" if reduce == "sum" else "update"

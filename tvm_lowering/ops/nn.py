@@ -4,9 +4,10 @@ Their backward ops are in backward.py, pooling in pooling.py.
 """
 import math
 
+import numpy as np
 from tvm import relax
 
-from .kit import arg, dtype, emit, env, flatten, nll_pick, out_meta, scalar, shape, zeros
+from .kit import arg, cast, dtype, emit, env, flatten, nll_pick, out_meta, scalar, shape, to_dtype, zeros
 from .registry import rule
 
 
@@ -82,24 +83,35 @@ def mse_loss(imp, node):
 # ---- normalization ----------------------------------------------------------------------------
 @rule("native_layer_norm.default")
 def native_layer_norm(imp, node):
-    """(out, mean, rstd): mean/rstd keep the normalized dims as size 1, as PyTorch does."""
+    """(out, mean, rstd): mean/rstd keep the normalized dims as size 1, as PyTorch does.
+
+    A float16/bfloat16 input is normalized in float32 and the output rounded once, as
+    PyTorch's CPU kernel does; its mean and rstd are float32 to PyTorch's shape inference but
+    rounded to the input's dtype by its kernel (what autograd saves for the backward): so here.
+    """
     x = env(imp, node.args[0])
     nshape = list(node.args[1])
     w = env(imp, arg(node, 2, "weight"))
     b = env(imp, arg(node, 3, "bias"))
     eps = arg(node, 4, "eps", 1e-5)
     dt = dtype(x)
+    acc = "float32" if dt in ("float16", "bfloat16") else dt
+    x, w, b = (None if t is None else cast(imp, t, acc) for t in (x, w, b))
     axes = list(range(-len(nshape), 0))
     mean = emit(imp, relax.op.mean(x, axis=axes, keepdims=True))
     xc = emit(imp, relax.op.subtract(x, mean))
     var = emit(imp, relax.op.mean(relax.op.multiply(xc, xc), axis=axes, keepdims=True))
-    rstd = emit(imp, relax.op.rsqrt(relax.op.add(var, scalar(eps, dt))))
+    rstd = emit(imp, relax.op.rsqrt(relax.op.add(var, scalar(eps, acc))))
     out = emit(imp, relax.op.multiply(xc, rstd))
     if w is not None:
         out = emit(imp, relax.op.multiply(out, w))
     if b is not None:
         out = emit(imp, relax.op.add(out, b))
-    return emit(imp, relax.Tuple([out, mean, rstd]))
+    stats = [mean, rstd]
+    if acc != dt:
+        out = to_dtype(imp, out, dt)
+        stats = [cast(imp, to_dtype(imp, t, dt), out_meta(node, i + 1)[1]) for i, t in enumerate(stats)]
+    return emit(imp, relax.Tuple([out, *stats]))
 
 
 def _bn_bcast(imp, v, nd):
@@ -210,16 +222,18 @@ def softmax(imp, node):
 # ---- matrix products (when not sent to the kernel library) ------------------------------------
 # TVM's translator gives mm/bmm/addmm a float32 result whatever the inputs (a float64 product
 # came back float32) and reads addmm's alpha and beta from keywords only. Half-precision
-# products accumulate in float32, as PyTorch's CPU kernels do.
+# products accumulate in float32 and round once, alpha * A @ B + beta * C included, as
+# PyTorch's CPU kernels do.
 def _matmul(imp, a, b, dt):
+    """a @ b in `dt`; half precision: the float32 product, not yet rounded."""
     acc = "float32" if dt in ("float16", "bfloat16") else dt
-    out = emit(imp, relax.op.matmul(a, b, out_dtype=acc))
-    return out if acc == dt else emit(imp, relax.op.astype(out, dt))
+    return emit(imp, relax.op.matmul(a, b, out_dtype=acc))
 
 
 @rule("mm.default", "bmm.default")
 def matrix_product(imp, node):
-    return _matmul(imp, env(imp, node.args[0]), env(imp, node.args[1]), out_meta(node)[1])
+    dt = out_meta(node)[1]
+    return to_dtype(imp, _matmul(imp, env(imp, node.args[0]), env(imp, node.args[1]), dt), dt)
 
 
 @rule("addmm.default")
@@ -228,13 +242,27 @@ def addmm(imp, node):
     bias, a, b = (env(imp, x) for x in node.args[:3])
     beta, alpha = arg(node, 3, "beta", 1), arg(node, 4, "alpha", 1)
     out = _matmul(imp, a, b, dt)
+    acc = dtype(out)
     if alpha != 1:
-        out = emit(imp, relax.op.multiply(out, scalar(alpha, dt)))
-    if beta == 0:  # PyTorch ignores the bias then, NaN included
-        return out
-    if beta != 1:
-        bias = emit(imp, relax.op.multiply(bias, scalar(beta, dt)))
-    return emit(imp, relax.op.add(bias, out))
+        out = emit(imp, relax.op.multiply(out, scalar(alpha, acc)))
+    if beta != 0:  # else PyTorch ignores the bias, NaN included
+        bias = cast(imp, bias, acc)
+        if beta != 1:
+            bias = emit(imp, relax.op.multiply(bias, scalar(beta, acc)))
+        out = emit(imp, relax.op.add(bias, out))
+    return to_dtype(imp, out, dt)
+
+
+@rule("linear.default", script=True)
+def linear(imp, node):
+    """x @ w.T + b as a scripted model records it (TVM's rule makes every linear float32: a
+    float64 one came back float32, a half-precision one failed to add its bias)."""
+    x, w, b = env(imp, node.args[0]), env(imp, node.args[1]), env(imp, arg(node, 2, "bias"))
+    dt = out_meta(node)[1]
+    out = _matmul(imp, x, emit(imp, relax.op.permute_dims(w, [1, 0])), dt)
+    if b is not None:
+        out = emit(imp, relax.op.add(out, cast(imp, b, dtype(out))))
+    return to_dtype(imp, out, dt)
 
 
 @rule("addbmm.default")
@@ -248,13 +276,59 @@ def addbmm(imp, node):
     p = shape(b2)[2]
     rows = emit(imp, relax.op.reshape(relax.op.permute_dims(b1, [1, 0, 2]), [n, nb * m]))
     cols = emit(imp, relax.op.reshape(b2, [nb * m, p]))
-    out = emit(imp, relax.op.matmul(rows, cols))
+    out = _matmul(imp, rows, cols, dt)
+    acc = dtype(out)
     if alpha != 1:
-        out = emit(imp, relax.op.multiply(out, relax.const(alpha, dt)))
-    if beta == 0:
-        return out
-    scaled = inp if beta == 1 else emit(imp, relax.op.multiply(inp, relax.const(beta, dt)))
-    return emit(imp, relax.op.add(out, relax.op.broadcast_to(scaled, shp)))
+        out = emit(imp, relax.op.multiply(out, relax.const(alpha, acc)))
+    if beta != 0:
+        scaled = cast(imp, inp, acc)
+        scaled = scaled if beta == 1 else emit(imp, relax.op.multiply(scaled, relax.const(beta, acc)))
+        out = emit(imp, relax.op.add(out, relax.op.broadcast_to(scaled, shp)))
+    return to_dtype(imp, out, dt)
+
+
+# ---- attention --------------------------------------------------------------------------------
+@rule("scaled_dot_product_attention.default")
+def scaled_dot_product_attention(imp, node):
+    """The composite op a scripted model records (the lazy device sees its parts).
+
+    Without a mask, 4-D and unbroadcast: relax.nn.attention, which simplify.expand_attention and
+    autodiff's gradient take apart. Otherwise softmax(q k^T * scale + mask) v in Relax ops, a
+    boolean mask as -inf where False. A row with no key left gives 0, as PyTorch's does (a
+    softmax over -inf alone is NaN). TVM's rule takes no boolean mask and ignores `scale`.
+    """
+    q, k, v = (env(imp, a) for a in node.args[:3])
+    mask = env(imp, arg(node, 3, "attn_mask"))
+    if arg(node, 4, "dropout_p", 0.0) or node.kwargs.get("enable_gqa", False):
+        raise NotImplementedError("scaled_dot_product_attention with dropout or grouped-query heads")
+    causal = arg(node, 5, "is_causal", False)
+    dt = dtype(q)
+    scale = node.kwargs.get("scale")
+    scale = 1.0 / math.sqrt(shape(q)[-1]) if scale is None else float(scale)
+    op = relax.op
+    if mask is None and len(shape(q)) == 4 and shape(q)[:2] == shape(k)[:2] == shape(v)[:2]:
+        bshd = [0, 2, 1, 3]
+        out = emit(imp, op.nn.attention(*(op.permute_dims(t, bshd) for t in (q, k, v)), scale=scale,
+                                         causal_mask="TopLeft" if causal else None))
+        return emit(imp, op.permute_dims(out, bshd))
+    nd = len(shape(k))
+    kt = op.permute_dims(k, list(range(nd - 2)) + [nd - 1, nd - 2])
+    scores = emit(imp, op.multiply(op.matmul(q, kt), scalar(scale, dt)))
+    ninf = scalar(-math.inf, dt)
+    if causal:
+        sq, sk = shape(q)[-2], shape(k)[-2]
+        keep = relax.const(np.tril(np.ones((sq, sk), dtype=bool)))
+        scores = emit(imp, op.where(keep, scores, ninf))
+    if mask is not None and dtype(mask) == "bool":
+        scores = emit(imp, op.where(mask, scores, ninf))
+    elif mask is not None:
+        scores = emit(imp, op.add(scores, cast(imp, mask, dt)))
+    # Rows with no key left (TVM's max starts from the lowest finite float, not -inf: count keys instead).
+    alive = op.astype(op.not_equal(scores, ninf), dt)
+    empty = emit(imp, op.equal(op.max(alive, axis=-1, keepdims=True), scalar(0.0, dt)))
+    probs = op.nn.softmax(op.where(empty, scalar(0.0, dt), scores), axis=-1)
+    probs = emit(imp, op.where(empty, scalar(0.0, dt), probs))
+    return emit(imp, op.matmul(probs, v))
 
 
 # ---- pixel shuffle ----------------------------------------------------------------------------

@@ -127,7 +127,21 @@ def avg_pool(imp, node):
     cip = arg(node, 5, "count_include_pad", True)
     divisor = arg(node, 6, "divisor_override", None)
     out_shape, _ = out_meta(node)
+    if imp.differentiable:
+        return _relax_avg_pool2d(imp, x, n, kernel, stride, padding, arg(node, 4, "ceil_mode", False), cip, divisor)
     return emit_te(imp, _avg_pool_te, x, kernel, stride, padding, out_shape[-n:], cip, divisor)
+
+
+def _relax_avg_pool2d(imp, x, n, kernel, stride, padding, ceil_mode, cip, divisor):
+    """relax.nn.avg_pool2d, which Relax's Gradient differentiates (with autodiff's rule) in a
+    jit.script forward; its windows and divisors are PyTorch's."""
+    if n != 2 or divisor:
+        raise NotImplementedError("a scripted avg_pool3d or divisor_override (no Relax gradient for them)")
+    batched = len(x.ty.shape) == 4
+    x4 = x if batched else emit(imp, relax.op.expand_dims(x, 0))
+    out = emit(imp, relax.op.nn.avg_pool2d(x4, kernel, stride, padding, ceil_mode=bool(ceil_mode),
+                                           count_include_pad=bool(cip)))
+    return out if batched else emit(imp, relax.op.squeeze(out, [0]))
 
 
 # ---- adaptive pools ---------------------------------------------------------------------------
@@ -193,13 +207,25 @@ def _adaptive_pool_te(x, out_sizes, kind):
 def adaptive_avg_pool(imp, node):
     """Over any leading dims (TVM's rules return no shape for an unbatched input).
 
-    The composite adaptive_avg_pool*d that a scripted model records keep TVM's rules,
-    which relax.transform.Gradient can differentiate.
+    A scripted model records the composite adaptive_avg_pool2d instead (rule below).
     """
     x = env(imp, node.args[0])
     out_shape, _ = out_meta(node)
     nd = len(arg(node, 1, "output_size"))
     return emit_te(imp, _adaptive_pool_te, x, out_shape[-nd:], "avg")
+
+
+@rule("adaptive_avg_pool2d.default")
+def adaptive_avg_pool2d(imp, node):
+    """The composite op a scripted model records: relax.nn.adaptive_avg_pool2d, which Relax's Gradient
+    differentiates (autodiff's rule), on a batched or unbatched input (TVM's rule returns no shape
+    for an unbatched one)."""
+    x = env(imp, node.args[0])
+    out_shape, _ = out_meta(node)
+    batched = len(x.ty.shape) == 4
+    x4 = x if batched else emit(imp, relax.op.expand_dims(x, 0))
+    out = emit(imp, relax.op.nn.adaptive_avg_pool2d(x4, out_shape[-2:], layout="NCHW"))
+    return out if batched else emit(imp, relax.op.squeeze(out, [0]))
 
 
 @rule("adaptive_max_pool2d.default", "adaptive_max_pool3d.default")

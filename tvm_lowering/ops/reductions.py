@@ -13,18 +13,34 @@ from tvm import relax, te, tirx
 from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as T
 
-from .kit import arg, cast, dtype, emit, emit_host_kernel, env, filled, is_float, norm_dims, out_meta, shape
+from .kit import arg, cast, dtype, emit, emit_host_kernel, env, filled, is_float, norm_dims, out_meta, shape, to_dtype
 from .registry import rule
 
 
 # ---- sums, means, variances, products ---------------------------------------------------------
-@rule("sum.dim_IntList")
+# PyTorch's CPU kernels sum, average and take norms and variances of float16/bfloat16 tensors in
+# float32 and round the result once; TVM's reductions accumulate in the tensor's dtype (a bfloat16
+# row sum of 96 elements came out 100% off). These accumulate in float32 too.
+_HALF = ("float16", "bfloat16")
+
+
+def _acc(dt):
+    """The dtype a reduction to `dt` accumulates in."""
+    return "float32" if dt in _HALF else dt
+
+
+@rule("sum.dim_IntList", "sum.default")
 def sum_dim(imp, node):
-    x = imp.env[node.args[0]]
-    if x.ty.ndim == 0:  # summing a 0-dim tensor over dim 0 (or []) returns it unchanged
-        dtype = str(node.meta["val"].dtype).replace("torch.", "")
-        return x if str(x.ty.dtype) == dtype else imp.block_builder.emit(relax.op.astype(x, dtype))
-    return imp._sum(node)
+    x = env(imp, node.args[0])
+    _, dt = out_meta(node)
+    nd = len(shape(x))
+    if nd == 0:  # summing a 0-dim tensor over dim 0 (or []) returns it unchanged
+        return cast(imp, x, dt)
+    if dt not in _HALF:
+        return imp.tvm_rules[node.target.__name__](node)
+    dims = arg(node, 1, "dim") if node.target.__name__ == "sum.dim_IntList" else None
+    total = relax.op.sum(cast(imp, x, "float32"), axis=_axes(dims, nd), keepdims=arg(node, 2, "keepdim", False))
+    return to_dtype(imp, emit(imp, total), dt)
 
 
 def _axes(dims, nd):
@@ -34,25 +50,25 @@ def _axes(dims, nd):
     return norm_dims(dims, nd)
 
 
-@rule("mean.dim")
+@rule("mean.dim", "mean.default")
 def mean(imp, node):
     """A 0-dim input is its own mean; an empty dim list means every dim."""
     x = env(imp, node.args[0])
     _, dt = out_meta(node)
-    x = cast(imp, x, dt)
+    x = cast(imp, x, _acc(dt))
     nd = len(shape(x))
     if nd == 0:
-        return x
+        return to_dtype(imp, x, dt)
     axes = _axes(arg(node, 1, "dim"), nd)
-    return emit(imp, relax.op.mean(x, axis=axes, keepdims=arg(node, 2, "keepdim", False)))
+    return to_dtype(imp, emit(imp, relax.op.mean(x, axis=axes, keepdims=arg(node, 2, "keepdim", False))), dt)
 
 
-@rule("var.correction")
-def var(imp, node):
+def _variance(imp, node):
     """sum((x - mean)^2) / max(0, N - correction), as PyTorch: NaN over no elements, and for
     N <= correction inf (or NaN where all deviations are 0). TVM's rule divides by N = 0 at
-    compile time and returns NaN for every N <= correction."""
-    x = env(imp, node.args[0])
+    compile time and returns NaN for every N <= correction. In float32 for a half-precision x."""
+    _, dt = out_meta(node)
+    x = cast(imp, env(imp, node.args[0]), _acc(dt))
     xs = shape(x)
     axes = _axes(arg(node, 1, "dim"), len(xs)) if xs else None
     n = math.prod(xs[a] for a in axes) if axes is not None else math.prod(xs)
@@ -73,11 +89,15 @@ def var(imp, node):
     return emit(imp, relax.op.multiply(out, relax.const(scale, dtype(out))))
 
 
+@rule("var.correction")
+def var(imp, node):
+    return to_dtype(imp, _variance(imp, node), out_meta(node)[1])
+
+
 @rule("std.correction")
 def std(imp, node):
-    """TVM's std ignores `correction`; its var honours it, so std = sqrt(var)."""
-    var = imp.convert_map["var.correction"](node)
-    return imp.block_builder.emit(relax.op.sqrt(var))
+    """sqrt of the variance (TVM's std ignores `correction`), rounded once."""
+    return to_dtype(imp, emit(imp, relax.op.sqrt(_variance(imp, node))), out_meta(node)[1])
 
 
 @rule("prod.default")
@@ -198,19 +218,23 @@ def max_dim(imp, node):
 def vector_norm(imp, node):
     """ord 0 counts non-zeros (TVM's rule divides by it); a 0-dim norm is |x| (TVM's sums over a
     dim it lacks); norms over every dim are computed here (TVM's rule reads an empty dim list as
-    no dims); other cases are TVM's."""
+    no dims), and every half-precision norm (in float32); other cases are TVM's."""
     x = env(imp, node.args[0])
     nd = len(shape(x))
     order = float(arg(node, 1, "ord", 2))
     dims = arg(node, 2, "dim", None)
     every = dims is None or (not isinstance(dims, int) and len(dims) == 0)
-    if order != 0 and nd and not every:
+    if order != 0 and nd and not every and out_meta(node)[1] not in _HALF:
         return imp.tvm_rules["linalg_vector_norm.default"](node)
     _, dt = out_meta(node)
     if not nd:
         return cast(imp, emit(imp, relax.op.abs(x) if order else relax.op.not_equal(x, relax.const(0, dtype(x)))), dt)
     axes = None if every else [d % nd for d in ([dims] if isinstance(dims, int) else dims)]
-    keepdim = arg(node, 3, "keepdim", False)
+    return to_dtype(imp, _norm(imp, x, order, axes, arg(node, 3, "keepdim", False), _acc(dt)), dt)
+
+
+def _norm(imp, x, order, axes, keepdim, dt):
+    """The `order`-norm of x over `axes`, computed in `dt`."""
     if order == 0:
         nonzero = emit(imp, relax.op.astype(relax.op.not_equal(x, relax.const(0, dtype(x))), dt))
         return emit(imp, relax.op.sum(nonzero, axis=axes, keepdims=keepdim))
@@ -231,12 +255,12 @@ def vector_norm(imp, node):
 def cumulative(imp, node):
     """In the output dtype from the start (bool and int inputs accumulate as int64); 0-dim is itself."""
     _, dt = out_meta(node)
-    x = cast(imp, env(imp, node.args[0]), dt)
+    x = cast(imp, env(imp, node.args[0]), _acc(dt))  # half precision: a float32 running total, each output rounded
     nd = len(shape(x))
     if nd == 0:
-        return x
+        return to_dtype(imp, x, dt)
     fn = relax.op.cumsum if node.target.__name__.startswith("cumsum") else relax.op.cumprod
-    return emit(imp, fn(x, axis=arg(node, 1, "dim") % nd))
+    return to_dtype(imp, emit(imp, fn(x, axis=arg(node, 1, "dim") % nd)), dt)
 
 
 def _scan_te(x, step, out_dtypes, name):

@@ -5,9 +5,10 @@ __init__ imports them, so the dependency points one way.
 """
 RULES = {}
 TIR_RULES = set()  # names whose rule emits a call_tir (see `rule`)
+SCRIPT_RULES = {}  # name -> rule used only in a jit.script forward (see `rule`)
 
 
-def rule(*names, wraps=False, tir=False):
+def rule(*names, wraps=False, tir=False, script=False):
     """Register `fn` as the lowering rule of each ATen overload in `names`.
 
     A second rule for the same overload is an error unless it says `wraps=True`
@@ -17,9 +18,16 @@ def rule(*names, wraps=False, tir=False):
     `tir=True` says the rule emits its own TIR kernel (call_tir) in place of a TVM
     rule made of Relax ops. Relax's Gradient cannot differentiate a call_tir, so the
     forward of a `ratex.jit.script` (differentiated inside TVM) keeps TVM's rule for it.
+
+    `script=True` registers a rule for a jit.script forward only: Relax ops that Relax's
+    Gradient differentiates, for a composite op the lazy device never records as such (it
+    sees the op's parts, each with its own rule).
     """
 
     def register(fn):
+        if script:
+            SCRIPT_RULES.update(dict.fromkeys(names, fn))
+            return fn
         for name in names:
             if name in RULES and not wraps:
                 raise ValueError(f"a lowering rule for {name} is already registered ({RULES[name]})")

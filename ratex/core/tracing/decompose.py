@@ -14,8 +14,8 @@ import torch
 
 from ..tensor import LazyTensor
 from . import registry
-from .capture import is_arg_tensor
-from .record import float_scalar_dtype, functional, liftable, value_op
+from .capture import Value, arg_sig, is_arg_tensor, is_value_arg
+from .record import float_scalar_dtype, functional, liftable, scalar_input, value_op
 from .registry import DECOMPOSITION, register
 
 aten = torch.ops.aten
@@ -33,6 +33,17 @@ def _add_alpha(func):
     def decomp(a, b, *, alpha=1, last=_call):
         if alpha == 1 or not is_arg_tensor(b):
             return NotImplemented
+        if liftable(alpha) and is_value_arg(a) and is_value_arg(b):
+            # One node, a + b * alpha (addcmul's rule), as PyTorch computes it: in the result's dtype
+            # (float32 for float16/bfloat16), alpha rounded to it, b not first multiplied in its own
+            # dtype (Muon adds a bfloat16 update to a float32 parameter with alpha = -lr).
+            dtype = torch.promote_types(arg_sig(a)[2], arg_sig(b)[2])
+            if dtype.is_floating_point:
+                sign = -1 if func is aten.sub.Tensor else 1
+                value = value_op(aten.addcmul.default, a, b, scalar_input(sign * alpha, dtype))
+                if type(value) is Value and last is _call:
+                    return LazyTensor.from_value(value.value)
+                return value
         return last(func, a, value_op(aten.mul.Tensor, b, alpha))
 
     return decomp

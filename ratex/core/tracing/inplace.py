@@ -16,7 +16,7 @@ from . import registry
 from .capture import BINARY_SPEC, TERNARY_SPEC, Value, collect
 from .decompose import addcdiv, addcmul, lerp_scalar
 from .eager import run as eager, unlowerable
-from .record import functional, liftable, lowered_counter, scalar_input, value_op
+from .record import functional, lifted_dtype, liftable, lowered_counter, scalar_input, value_op
 from .registry import HANDLER, PATH, register
 from .schema import functional_of, type_name, written
 
@@ -171,7 +171,7 @@ def _simple_inplace_value(simple, target, other, kwargs):
             return None
     elif t is float and alpha == 1 and liftable(other):
         op, spec = fop, BINARY_SPEC
-        inputs = (target._value(), scalar_input(other, target._sig[2]).value)
+        inputs = (target._value(), scalar_input(other, lifted_dtype(fop, target._sig[2])).value)
     else:
         return None
     counter = lowered_counter(op)

@@ -132,6 +132,17 @@ def float_scalar_dtype(dtype) -> torch.dtype:
 
 
 _MULS = (aten.mul.Tensor, aten.mul.Scalar)
+_PRODUCTS = (*_MULS, aten.div.Tensor, aten.div.Scalar)
+
+
+def lifted_dtype(func, dtype) -> torch.dtype:
+    """The dtype of the 0-dim input a Python float next to a tensor of `dtype` becomes in `func`.
+
+    PyTorch's CPU mul and div read a scalar operand of a float16/bfloat16 tensor at float32
+    precision (0.01 is not 0.010009765625); add and sub round it to the tensor's dtype first."""
+    if func in _PRODUCTS and dtype in (torch.float16, torch.bfloat16):
+        return torch.float32
+    return float_scalar_dtype(dtype)
 
 
 def lift_scalar(func, args):
@@ -153,7 +164,7 @@ def lift_scalar(func, args):
         zero_times_float = func in _MULS and type(scalar) in (int, float) and scalar == 0 and dtype.is_floating_point
         if not zero_times_float:
             return func, args
-    lifted = (first, scalar_input(scalar, float_scalar_dtype(dtype)))
+    lifted = (first, scalar_input(scalar, lifted_dtype(func, dtype)))
     return LIFT[id(func)], (lifted + tuple(args[2:]) if len(args) > 2 else lifted)
 
 

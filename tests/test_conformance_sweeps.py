@@ -1,0 +1,58 @@
+"""The module and optimizer sweeps hold their recorded results on a fixed subset, both ways.
+
+`scripts/conformance.py --modules` checks every float32 entry of PyTorch's module_db (forward,
+input and parameter gradients, buffers, one SGD step) and `--optims` every optim_db config
+(5 steps, for-loop and foreach) against CPU, and `--write` records each result in
+tests/conformance_modules.json / tests/conformance_optims.json: the status, a fallback's `aten::`
+counters, a failure's stage and message. This test reruns a subset in-process with the same
+samples and seeds and asserts the same status, the same fallback counters and, for a failure,
+the same stage. An entry recorded as failing that now passes fails the test too: rerun the
+script with --write so that the file says what ratex does.
+"""
+import importlib.util
+import json
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_spec = importlib.util.spec_from_file_location("ratex_conformance", os.path.join(ROOT, "scripts", "conformance.py"))
+conformance = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(conformance)
+
+# (entry, phase): quick entries across families, recorded pass, fallback and fail alike.
+MODULES = [
+    ("nn.Linear", "train"), ("nn.Conv2d", "train"), ("nn.BatchNorm2d", "train"), ("nn.BatchNorm2d", "eval"),
+    ("nn.Embedding", "train"), ("nn.GELU", "train"), ("nn.Softmax", "train"), ("nn.LogSoftmax", "train"),
+    ("nn.Hardshrink", "train"), ("nn.Softshrink", "train"), ("nn.CELU", "train"), ("nn.MultiheadAttention", "train"),
+    ("nn.LazyConv1d", "train"), ("nn.BCELoss", "train"), ("nn.HuberLoss", "train"), ("nn.Bilinear", "train"),
+]
+OPTIMS = [
+    ("Adam/default", "foreach"), ("AdamW/amsgrad", "forloop"), ("SGD/nesterov", "foreach"),
+    ("Adagrad/Tensor lr", "forloop"), ("Adafactor/default", "forloop"), ("SparseAdam/default", "forloop"),
+]
+
+SWEEPS = {"modules": MODULES, "optims": OPTIMS}
+EXPECTED = {}
+for _name in SWEEPS:
+    with open(conformance.SWEEPS[_name].expectations) as _f:
+        EXPECTED[_name] = json.load(_f)
+CASES = [(sweep, key, phase) for sweep, subset in SWEEPS.items() for key, phase in subset]
+
+
+def test_subset_is_recorded():
+    """Every chosen entry exists in the database and in its expectations file."""
+    missing = [c for c in CASES if c[1] not in EXPECTED[c[0]].get(c[2], {})]
+    assert not missing, missing
+
+
+@pytest.mark.parametrize("sweep,key,phase", CASES, ids=[f"{s}-{p}-{k}" for s, k, p in CASES])
+def test_recorded_result_holds(dev, sweep, key, phase):
+    s = conformance.SWEEPS[sweep]
+    want = EXPECTED[sweep][phase][key]
+    got = s.check(s.entries({key})[key], phase, device=dev)
+    said = conformance.expectation(got)
+    hint = f"{phase} {key}: recorded {want}, now {said}; if this is a fix, rerun scripts/conformance.py --{sweep} --write"
+    assert said["status"] == want["status"], hint
+    assert said.get("fallbacks") == want.get("fallbacks"), hint
+    assert said.get("stage") == want.get("stage"), hint

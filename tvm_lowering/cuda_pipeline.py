@@ -1,0 +1,68 @@
+"""The CUDA pass pipeline: TVM's (tvm.relax.backend.cuda.pipeline), with default schedules that
+survive a rule that fails, and CUDA source that compiles where a kernel holds an infinite or NaN
+bfloat16 constant.
+
+dlight's GPU rules return None for a kernel they don't fit, and ApplyDefaultSchedule tries the
+next one; but some raise instead, which fails the whole build. Reduction does on a full reduction
+into a 0-d tensor with an epilogue (`mean` over every axis, so `mse_loss`): "Check failed:
+block_realize == old_block_realize_". Here a rule that raises counts as one that does not fit, and
+the next (GeneralReduction, then Fallback) schedules the kernel.
+
+TVM's CUDA codegen prints a bfloat16 constant as `__float2bfloat16_rn(<hexfloat>f)`, which for
+inf and NaN is `__float2bfloat16_rn(-inff)`: no such identifier, and NVRTC fails the program
+(`x.bfloat16().clamp(min=-inf)`, masks in bfloat16). `_postproc`, TVM's hook on the source before
+it is compiled, writes those as the float32 bit patterns instead.
+"""
+import re
+
+import tvm
+from tvm.relax.backend.cuda import pipeline as _tvm
+from tvm.s_tir import dlight as dl
+
+library_dispatch_passes = _tvm.library_dispatch_passes
+dataflow_lower_passes = _tvm.dataflow_lower_passes
+finalize_passes = _tvm.finalize_passes
+
+
+class Tolerant(dl.ScheduleRule):
+    """`rule`, returning None (does not fit) where it raises."""
+
+    def __init__(self, rule: dl.ScheduleRule):
+        self.rule = rule
+
+    def apply(self, func, target, tunable):
+        """Return `rule`'s schedule of `func`, or None where it has none or fails making one."""
+        try:
+            return self.rule.apply(func, target, tunable)
+        except Exception:  # noqa: BLE001 - TVM's InternalError and kin: the next rule gets its turn
+            return None
+
+
+def legalize_passes(target):
+    """Return TVM's legalization passes for CUDA, each default-schedule rule made `Tolerant`."""
+    return [dl.ApplyDefaultSchedule(*(Tolerant(r) for r in p.rules)) if p.info.name == "ApplyDefaultSchedule" else p
+            for p in _tvm.legalize_passes(target)]
+
+
+_BF16_SPECIAL = re.compile(r"__float2bfloat16_rn\((-?)(inf|nan)f/\*[^*]*\*/\)")
+_BITS = {"inf": "0x7f800000", "nan": "0x7fc00000"}
+
+
+def fix_bfloat16_constants(code: str) -> str:
+    """Return CUDA source `code` with TVM's spelling of infinite and NaN bfloat16 constants made valid."""
+    return _BF16_SPECIAL.sub(lambda m: f"__float2bfloat16_rn({m.group(1)}__int_as_float({_BITS[m.group(2)]}))", code)
+
+
+def _install_postproc():
+    """Put `fix_bfloat16_constants` in TVM's source hook (once: this module is imported once), after
+    whatever hook was there."""
+    name = "tvm_callback_cuda_postproc"
+    previous = tvm.get_global_func(name, allow_missing=True)
+
+    def postproc(code, target):
+        return fix_bfloat16_constants(str(previous(code, target)) if previous is not None else str(code))
+
+    tvm.register_global_func(name, postproc, override=True)
+
+
+_install_postproc()
