@@ -17,7 +17,6 @@ import os
 
 import torch
 import torch.distributed as dist
-import tvm
 from torch.utils._pytree import tree_flatten, tree_map
 
 from . import config
@@ -134,8 +133,8 @@ def _comm_copy(t: LazyTensor, cuda: bool) -> torch.Tensor:
 
 
 def _device_data(comm: torch.Tensor):
-    if comm.is_cuda:
-        return tvm.runtime.from_dlpack(comm.contiguous())
+    if comm.is_cuda:  # the GPU target's device data are torch CUDA tensors (device.DLPackBackend)
+        return comm.contiguous()
     return backend().adopt(comm)
 
 
