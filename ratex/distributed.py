@@ -148,7 +148,7 @@ def _new(comm: torch.Tensor) -> LazyTensor:
 
 
 def _timed_collective(fn, nbytes: int, what: str):
-    """fn(), counted and timed; a failure names the collective and the likely cause."""
+    """fn(), counted and timed; a failure names the collective, the rank and the usual cause."""
     metrics.counter_inc("CollectiveCall")
     metrics.counter_inc("CollectiveBytes", nbytes)
     with metrics.timed("CollectiveTime"):
@@ -156,8 +156,9 @@ def _timed_collective(fn, nbytes: int, what: str):
             return fn()
         except (RuntimeError, dist.DistError) as err:
             raise RuntimeError(
-                f"ratex: {what} ({nbytes} bytes) failed on rank {dist.get_rank()} of {dist.get_world_size()}: "
-                f"another rank failed or stopped calling collectives ({type(err).__name__}: {err})"
+                f"ratex: {what} ({nbytes} bytes) failed on rank {dist.get_rank()} of {dist.get_world_size()} "
+                f"({type(err).__name__}: {err}); where the error names a peer or a timeout, another rank failed "
+                "or stopped calling collectives: its own error is the one to read"
             ) from err
 
 
