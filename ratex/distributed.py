@@ -28,13 +28,10 @@ from .core.tracing.registry import HANDLER, register
 
 REDUCE_SUM, REDUCE_MUL, REDUCE_MIN, REDUCE_MAX = "sum", "mul", "min", "max"
 REDUCE_AND, REDUCE_OR = "and", "or"
+# Builds of torch without distributed support (some macOS and Windows wheels) have no ReduceOp:
+# `import ratex` still works there, and the collectives say why they cannot run.
 _REDUCE_OPS = {
-    REDUCE_SUM: dist.ReduceOp.SUM,
-    REDUCE_MUL: dist.ReduceOp.PRODUCT,
-    REDUCE_MIN: dist.ReduceOp.MIN,
-    REDUCE_MAX: dist.ReduceOp.MAX,
-    REDUCE_AND: dist.ReduceOp.BAND,
-    REDUCE_OR: dist.ReduceOp.BOR,
+    REDUCE_SUM: "SUM", REDUCE_MUL: "PRODUCT", REDUCE_MIN: "MIN", REDUCE_MAX: "MAX", REDUCE_AND: "BAND", REDUCE_OR: "BOR",
 }
 # Gradients travel in flat buckets of at most this many bytes, as DDP's buckets do: one
 # collective per bucket, and a bucket's copy in and out stays small next to the step's memory.
@@ -58,7 +55,9 @@ def rank() -> int:
 
 
 def _require_group(what: str):
-    if not (dist.is_available() and dist.is_initialized()):
+    if not dist.is_available():
+        raise RuntimeError(f"{what} needs torch.distributed, which this build of torch {torch.__version__} lacks")
+    if not dist.is_initialized():
         raise RuntimeError(
             f"{what} needs torch.distributed's default process group; call "
             "torch.distributed.init_process_group('gloo') first (torchrun sets the environment it reads)"
@@ -95,10 +94,10 @@ def _group(groups):
 
 
 def _reduce_op(reduce_type):
-    op = _REDUCE_OPS.get(reduce_type) if isinstance(reduce_type, str) else None
-    if op is None:
+    name = _REDUCE_OPS.get(reduce_type) if isinstance(reduce_type, str) else None
+    if name is None:
         raise ValueError(f"reduce_type={reduce_type!r} is not valid; use one of {sorted(_REDUCE_OPS)}")
-    return op
+    return getattr(dist.ReduceOp, name)
 
 
 # ---- computed data, as torch tensors for the collective ------------------------------------
@@ -154,7 +153,7 @@ def _timed_collective(fn, nbytes: int, what: str):
     with metrics.timed("CollectiveTime"):
         try:
             return fn()
-        except (RuntimeError, dist.DistError) as err:
+        except RuntimeError as err:  # torch.distributed's DistError is one
             raise RuntimeError(
                 f"ratex: {what} ({nbytes} bytes) failed on rank {dist.get_rank()} of {dist.get_world_size()} "
                 f"({type(err).__name__}: {err}); where the error names a peer or a timeout, another rank failed "
