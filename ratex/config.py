@@ -118,6 +118,10 @@ TUNE = _tune_trials()  # 0: apply existing tuning records only
 # ---- debugging ------------------------------------------------------------------------------
 PROFILE = _flag("RATEX_PROFILE", False)
 SAVE_IR = os.environ.get("RATEX_SAVE_IR") or None
+# Each compile after the first prints why it compiled (ratex/core/explain.py): torch_xla's PT_XLA_DEBUG.
+DEBUG = _flag("RATEX_DEBUG", False)
+# After this many compiles in a process, warn once that RATEX_DEBUG says why (0: never).
+WARN_COMPILES = _count("RATEX_WARN_COMPILES", 10, 0, "a whole number of compiles (0: never warn)")
 
 # ---- the process (applied by ratex/process.py, each with its opt-out) -----------------------
 NUM_THREADS = _count("RATEX_NUM_THREADS", 0)  # torch's thread count; 0: torch's own choice

@@ -279,16 +279,6 @@ def reduce_gradients(optimizer, groups=None):
         all_reduce(REDUCE_SUM, grads, scale=1.0 / dist.get_world_size(_group(groups)), groups=groups)
 
 
-def optimizer_step(optimizer, barrier=False, optimizer_args=None, groups=None):
-    """Average the gradients across ranks (`reduce_gradients`), then run `optimizer.step(**optimizer_args)`
-    and return what it returns; `barrier=True` also runs the update (mark_step)."""
-    reduce_gradients(optimizer, groups=groups)
-    loss = optimizer.step(**(optimizer_args or {}))
-    if barrier:
-        sync.mark_step()
-    return loss
-
-
 # ---- torch.distributed's own calls on lazy tensors -----------------------------------------
 def _c10d(func, args, kwargs):
     """Run a c10d collective whose tensors are lazy on copies of their computed values, wait for it,
@@ -334,6 +324,6 @@ register(*_c10d_ops(), tier=HANDLER)(_c10d)
 
 __all__ = [
     "REDUCE_SUM", "REDUCE_MUL", "REDUCE_MIN", "REDUCE_MAX", "REDUCE_AND", "REDUCE_OR", "BUCKET_BYTES",
-    "all_reduce", "all_gather", "reduce_scatter", "reduce_gradients", "optimizer_step",
+    "all_reduce", "all_gather", "reduce_scatter", "reduce_gradients",
     "is_distributed", "world_size", "rank",
 ]

@@ -5,7 +5,7 @@
 | `TVM_THREAD_POOL_SPIN_COUNT=0`, `TVM_BIND_THREADS=0` | TVM's idle workers otherwise spin, pinned to their cores, holding the cores that torch's pool (library kernels) and the thread tracing the next step need | `RATEX_TVM_POOL_YIELD=false`, or either variable set yourself |
 | `TVM_NUM_THREADS` = torch's thread count; torch's = `RATEX_NUM_THREADS` where set | a program runs TVM kernels on TVM's pool and library kernels on torch's, one after the other: one thread budget for both | `RATEX_SHARE_THREADS=false` (TVM's default: all cores), or `TVM_NUM_THREADS` set yourself; torch's count changes only with `RATEX_NUM_THREADS` |
 | glibc's mmap threshold 32 MB, trim threshold 256 MB | freed buffers stay with the process, as PyTorch's CUDA caching allocator keeps device memory: with glibc's defaults a freed block of a few MB goes back to the OS and the next step page-faults it in again | `RATEX_RETAIN_MEMORY=false`, or `MALLOC_MMAP_THRESHOLD_` / `MALLOC_TRIM_THRESHOLD_` set yourself; nothing off glibc |
-| `torch._lazy.mark_step` and `wait_device_ops` run ratex's | ratex is the lazy device's backend: code written for torch._lazy steps it too | `RATEX_TORCH_LAZY_STEP=false` |
+| `torch._lazy.mark_step`, `wait_device_ops` and `sync_multi` run ratex's; `torch._lazy.metrics` reads ratex's counters | ratex is the lazy device's backend: code written for torch._lazy steps it, and reads its counters, too | `RATEX_TORCH_LAZY_STEP=false` |
 
 The settings come from ratex/config.py, which parses them.
 """
@@ -15,6 +15,7 @@ import sys
 
 import torch
 import torch._lazy
+import torch._lazy.metrics
 
 from . import config
 
@@ -70,17 +71,21 @@ def _retain_freed_memory() -> bool:
     return bool(mallopt(_M_MMAP_THRESHOLD, 32 << 20)) and bool(mallopt(_M_TRIM_THRESHOLD, 256 << 20))
 
 
-def drive_torch_lazy(mark_step, wait_device_ops) -> bool:
-    """Make torch._lazy.mark_step and wait_device_ops call ratex's `mark_step` and `wait_device_ops`
-    (unless RATEX_TORCH_LAZY_STEP=false); return whether they do."""
+def drive_torch_lazy(lazy_model, metrics) -> bool:
+    """Make torch._lazy's mark_step, wait_device_ops and sync_multi call `lazy_model`'s, and
+    torch._lazy.metrics read `metrics` (unless RATEX_TORCH_LAZY_STEP=false); return whether they do."""
     if not config.TORCH_LAZY_STEP:
         return False
 
     def torch_lazy_mark_step(device: str = "", wait: bool = False):
-        mark_step()
+        lazy_model.mark_step()
         if wait:
-            wait_device_ops()
+            lazy_model.wait_device_ops()
 
     torch._lazy.mark_step = torch_lazy_mark_step
-    torch._lazy.wait_device_ops = lambda devices=None: wait_device_ops()
+    torch._lazy.wait_device_ops = lambda devices=None: lazy_model.wait_device_ops()
+    # torch._lazy.to_cpu and torch._lazy.save sync through this name before copying.
+    torch._lazy.sync_multi = lambda tensors, devices=None: lazy_model.sync_tensors(tensors)
+    for name in ("counter_names", "counter_value", "metrics_report", "reset"):
+        setattr(torch._lazy.metrics, name, getattr(metrics, name))
     return True

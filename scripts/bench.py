@@ -18,6 +18,9 @@ Systems:
   torch_lazy    torch._lazy with the TorchScript backend (never imports ratex; CPU only)
   ratex_lazy    ratex's lazy device
   ratex_script  ratex.jit.script(model) on ratex's lazy device
+  ratex_amp     ratex_lazy with the forward and loss under ratex.amp.autocast(dtype=torch.bfloat16)
+                (not in the default set: name it with --systems); its loss is checked against
+                ratex_lazy's float32 loss: within 2%
   ratex_compile torch.compile(train_step, backend="ratex"): dynamo and AOTAutograd capture
                 forward, backward and optimizer step once; ratex compiles them with TVM and
                 runs them on CPU tensors (CUDA tensors with --device gpu)
@@ -72,7 +75,7 @@ kernels write new tensors as large as the parameters and optimizer state).
 
 Threads: every cell runs with --threads (default 1) OpenMP/MKL/TVM threads and
 torch.set_num_threads. On a shared machine, more threads than free cores make
-OpenMP kernels (eager's, inductor's, TVM's) spin and run tens of times slower.
+OpenMP kernels (eager's, inductor's, TVM's) spin and run far slower.
 
 Ratex subprocesses run with RATEX_CACHE_DIR="" (no persistent compile cache) and
 compile cells with a fresh TORCHINDUCTOR_CACHE_DIR, so first-step time is a cold
@@ -90,10 +93,12 @@ import sys
 import tempfile
 import time
 
-SYSTEMS = ["eager", "compile", "torch_lazy", "ratex_lazy", "ratex_script", "ratex_compile"]
+SYSTEMS = ["eager", "compile", "torch_lazy", "ratex_lazy", "ratex_script", "ratex_compile", "ratex_amp"]
+DEFAULT_SYSTEMS = [s for s in SYSTEMS if s != "ratex_amp"]
+AMP_TOLERANCE = 0.02  # a bfloat16 autocast run's final loss, relative to float32's
 MODELS = ["lenet-b1", "lenet-b64", "mnist-b64", "mlp-b128", "gpt2l-b8"]
 DIST_MODELS = ["gpt2l-b8", "mlp-b128"]  # --nproc: the models whose gradients are worth all-reducing
-LAZY_RATEX = ("ratex_lazy", "ratex_script")  # the lazy device: traced per op, a program per mark_step
+LAZY_RATEX = ("ratex_lazy", "ratex_script", "ratex_amp")  # the lazy device: traced per op, a program per mark_step
 RATEX = (*LAZY_RATEX, "ratex_compile")
 MARK = "BENCH_RESULT "
 
@@ -185,7 +190,11 @@ def run_cell(model_name, system, steps, warmup, caught=(), serial=False, gpu=Fal
 
     def train_step(x, y):
         opt.zero_grad()
-        loss = spec.loss(model(x), y)
+        if system == "ratex_amp":
+            with ratex.amp.autocast(dtype=torch.bfloat16):
+                loss = spec.loss(model(x), y)
+        else:
+            loss = spec.loss(model(x), y)
         loss.backward()
         opt.step()
         return loss
@@ -478,7 +487,14 @@ def report(models, systems, cells, args):
                 loss = f"{r['final_loss']:.4f}"
                 compiles = str(r.get("compiles", ""))
                 lazy = cells.get((m, "ratex_lazy"))
-                if SPECS[m].dropout and s in ("ratex_script", "ratex_compile") and lazy is not None \
+                if s == "ratex_amp":
+                    if lazy is None or "error" in lazy:
+                        check = "- (no ratex_lazy)"
+                    else:
+                        off = abs(r["final_loss"] - lazy["final_loss"]) / abs(lazy["final_loss"])
+                        check = (f"{'yes' if off <= AMP_TOLERANCE else 'NO'} ({off * 100:.2f}% off "
+                                 "ratex_lazy's float32)")
+                elif SPECS[m].dropout and s in ("ratex_script", "ratex_compile") and lazy is not None \
                         and "error" not in lazy:
                     # Same seeds, same masks: the scripted and the compiled model must train as the lazy one.
                     same = round(r["final_loss"], 4) == round(lazy["final_loss"], 4)
@@ -535,8 +551,8 @@ def main():
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--models", help="comma-separated: " + ",".join(MODELS) + " (default: all; with --nproc "
                    + ",".join(DIST_MODELS) + ")")
-    p.add_argument("--systems", help="comma-separated: " + ",".join(SYSTEMS) + " (default: all; with --device gpu "
-                   "all but torch_lazy)")
+    p.add_argument("--systems", help="comma-separated: " + ",".join(SYSTEMS) + " (default: all but ratex_amp; "
+                   "with --device gpu also not torch_lazy)")
     p.add_argument("--device", choices=("cpu", "gpu"), default="cpu",
                    help="gpu: eager and compile on CUDA, ratex with RATEX_DEVICE=GPU")
     p.add_argument("--steps", type=int, default=20, help="train steps per cell (45 when checking losses)")
@@ -571,8 +587,9 @@ def main():
         return bench_dist.run(models, args.nproc, args.steps, args.warmup, args.timeout)
 
     models = [m for m in (args.models or ",".join(MODELS)).split(",") if m]
-    gpu_systems = [s for s in SYSTEMS if s != "torch_lazy"]
-    systems = [s for s in (args.systems or ",".join(gpu_systems if args.device == "gpu" else SYSTEMS)).split(",") if s]
+    gpu_systems = [s for s in DEFAULT_SYSTEMS if s != "torch_lazy"]
+    systems = [s for s in (args.systems or ",".join(gpu_systems if args.device == "gpu" else DEFAULT_SYSTEMS)).split(",")
+               if s]
     bad = [m for m in models if m not in MODELS] + [s for s in systems if s not in SYSTEMS]
     if bad:
         p.error(f"unknown model/system: {', '.join(bad)}")

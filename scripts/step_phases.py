@@ -46,15 +46,45 @@ def _switches():
     return out
 
 
+class _HFGPT2:
+    """A tiny randomly initialised `transformers` GPT-2 (2 layers, width 64) returning logits:
+    a model nobody here wrote, trained with AdamW."""
+
+    def __new__(cls):
+        import torch
+        import transformers
+
+        config = transformers.GPT2Config(vocab_size=1000, n_positions=64, n_embd=64, n_layer=2, n_head=4,
+                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        model = transformers.GPT2LMHeadModel(config)
+
+        class Logits(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.gpt2 = model
+
+            def forward(self, ids):
+                return self.gpt2(input_ids=ids).logits
+
+        return Logits()
+
+
+def _models():
+    """bench_models.MODELS plus the models only this script measures."""
+    from bench_models import MODELS, Spec, _adamw, _lm_ce, _tokens
+
+    return {**MODELS, "hf-gpt2-b4": Spec(_HFGPT2, lambda s: _tokens(4, s, seq=32), _lm_ce, _adamw)}
+
+
 def measure(model_name: str, mode: str, steps: int, warmup: int) -> dict:
     """Train `model_name` under `mode` in this process; return the per-step figures."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import torch
 
-    from bench_models import MODELS, POOL
+    from bench_models import POOL
 
     torch.set_num_threads(1)
-    spec = MODELS[model_name]
+    spec = _models()[model_name]
     torch.manual_seed(0)
     batches = spec.batches(1)
     model = spec.build()
@@ -108,17 +138,16 @@ def measure(model_name: str, mode: str, steps: int, warmup: int) -> dict:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("model", help="a model of scripts/bench_models.py, e.g. lenet-b1")
+    parser.add_argument("model", help="a model of scripts/bench_models.py, e.g. lenet-b1, or hf-gpt2-b4")
     parser.add_argument("--modes", default="eager,script,lazy", help=f"comma-separated: {','.join(MODES)}")
     parser.add_argument("--steps", type=int, default=400, help="measured steps per mode")
     parser.add_argument("--warmup", type=int, default=20, help="steps before measuring (compiles happen here)")
     parser.add_argument("--child", help=argparse.SUPPRESS)  # one mode, in this process; JSON out
     args = parser.parse_args(argv)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from bench_models import MODELS
-
-    if args.model not in MODELS:
-        parser.error(f"unknown model {args.model!r}; choose from {', '.join(MODELS)}")
+    models = _models()
+    if args.model not in models:
+        parser.error(f"unknown model {args.model!r}; choose from {', '.join(models)}")
     modes = args.modes.split(",")
     bad = [m for m in modes if m not in MODES]
     if bad:

@@ -3,6 +3,10 @@ import os
 # No persistent compile cache shared between tests or with ~/.cache: tests that
 # need one give their subprocesses a RATEX_CACHE_DIR of their own.
 os.environ["RATEX_CACHE_DIR"] = ""
+# The suite compiles hundreds of graphs in one process: the warning that names RATEX_DEBUG after
+# many compiles would land in whichever test happens to make the tenth (tests/test_recompile.py
+# checks it on its own).
+os.environ["RATEX_WARN_COMPILES"] = "0"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -17,10 +17,10 @@ CORE = ROOT / "ratex" / "core"
 # (ratex/core/__init__.py describes them). `tracing` is the package and all its modules.
 LAYERS = (
     ("ir", ("metrics", "progress", "ir", "shape", "graph", "render")),
-    ("runtime", ("device", "kernels", "launch", "executor")),
+    ("runtime", ("device", "kernels", "bounds", "launch", "executor")),
     ("tensor", ("storage", "chain", "tensor")),
     ("tracing", ("tracing",)),
-    ("sync", ("sync",)),
+    ("sync", ("explain", "sync")),
 )
 _LAYER_OF = {name: k for k, (_, names) in enumerate(LAYERS) for name in names}
 

@@ -208,3 +208,160 @@ def test_muon_matches_cpu(dev, config):
 def test_muon_matches_cpu_in_tvm_kernels(dev, config):
     """The same with its products as TVM code rather than PyTorch's kernels."""
     _muon_matches_cpu(dev, config)
+
+
+# Lists the recorded foreach route takes only in part: each element that doesn't fit (another
+# dtype, a broadcast operand, an int tensor, a non-contiguous operand of an out-of-place op)
+# takes the per-element route, in list order, and every element still equals CPU's.
+def _mixed(g):
+    a = [torch.randn(3, 4, generator=g), torch.randn(5, generator=g).double(), torch.randn(2, 3, generator=g),
+         (torch.randn(4, generator=g) * 10).long()]
+    b = [torch.randn(3, 4, generator=g), torch.randn(5, generator=g).double(), torch.randn(3, generator=g),
+         (torch.randn(4, generator=g) * 10).long()]
+    return a, b
+
+
+FOREACH_MIXED = {
+    "add_ list alpha": lambda a, b: torch._foreach_add_(a, b, alpha=2),
+    "mul list": lambda a, b: torch._foreach_mul(a, b),
+    "addcmul_ scalarlist": lambda a, b: torch._foreach_addcmul_(a, b, b, [0.5, 0.25, 2.0, 3]),
+    "sub_ scalar": lambda a, b: torch._foreach_sub_(a, 3),
+    "add transposed operand": lambda a, b: torch._foreach_add([a[0].t(), a[2]], [b[0].t(), b[2]]),
+    "div_ by itself": lambda a, b: torch._foreach_div_(a[:3], a[:3]),
+}
+
+
+@pytest.mark.parametrize("name", FOREACH_MIXED)
+def test_foreach_mixed_lists_match_cpu(dev, name):
+    """Mixed dtypes, broadcasting, int tensors, strided operands and a target that is its own
+    operand, in one list: results, their strides and the targets equal CPU's."""
+    cpu = _mixed(torch.Generator().manual_seed(7))
+    lazy = [[t.to(dev) for t in ts] for ts in cpu]
+    got, want = FOREACH_MIXED[name](*lazy), FOREACH_MIXED[name](*cpu)
+    lm.mark_step()
+    if want is not None:
+        torch.testing.assert_close(got, want, check_device=False)
+        assert [t.stride() for t in got] == [t.stride() for t in want]
+    for lazy_list, cpu_list in zip(lazy, cpu):
+        torch.testing.assert_close([t.cpu() for t in lazy_list], cpu_list)
+
+
+def test_foreach_inplace_through_views_matches_cpu(dev):
+    """Targets that are views of one base (two rows, a column, the transpose of the whole, which
+    overlaps both) are written through in list order: a later element reads an earlier write."""
+    g = torch.Generator().manual_seed(8)
+    base = torch.randn(3, 4, generator=g)
+    lazy_base = base.to(dev)
+    for b in (base, lazy_base):
+        targets = [b[0], b[2], b[:, 1], b.t()]
+        others = [torch.ones(4).to(b.device), b[1], b[:, 3], b.t().clone()]
+        torch._foreach_add_(targets, others, alpha=0.5)
+        torch._foreach_mul_(targets, [2.0, 0.5, -1.0, 0.3])
+    lm.mark_step()
+    torch.testing.assert_close(lazy_base.cpu(), base)
+
+
+def test_foreach_inplace_into_expanded_is_refused(dev):
+    """PyTorch refuses a foreach write into an expanded tensor; so does ratex, on its per-element route."""
+    e = torch.randn(1, 3).to(dev).expand(2, 3)
+    with pytest.raises(RuntimeError, match="single memory location"):
+        torch._foreach_mul_([e], 0.5)
+
+
+def test_foreach_list_lengths_are_checked(dev):
+    """Lists of different lengths are refused with the lengths named, as PyTorch refuses them."""
+    a = [torch.randn(2).to(dev) for _ in range(3)]
+    with pytest.raises(RuntimeError, match="3 and 2|3 elements"):
+        torch._foreach_add_(a, a[:2])
+    with pytest.raises(RuntimeError, match="3 and 2|3 elements"):
+        torch._foreach_mul_(a, [0.5, 2.0])
+
+
+def test_foreach_new_scalar_shape_or_dtype_is_never_stale(dev):
+    """A recorded foreach update run again with a new lr (a lifted input: same program), an int
+    scalar, a new shape and a new dtype gives CPU's values each time."""
+    g = torch.Generator().manual_seed(9)
+    compiles = []
+    for scalar, shape, dtype in ((0.1, (3, 4), torch.float32), (0.37, (3, 4), torch.float32),
+                                 (3, (3, 4), torch.float32), (0.37, (2, 5), torch.float32),
+                                 (0.37, (3, 4), torch.float64), (0.0, (3, 4), torch.float32)):
+        cpu = [torch.randn(shape, generator=g, dtype=dtype) for _ in range(2)]
+        cpu[0][0, 0] = float("nan")
+        lazy = [t.to(dev) for t in cpu]
+        metrics.reset()
+        for a, b in (lazy, cpu):
+            torch._foreach_addcmul_([a], [b], [b], value=scalar)
+            torch._foreach_mul_([a], scalar)
+        lm.mark_step()
+        torch.testing.assert_close(lazy[0].cpu(), cpu[0], equal_nan=True)
+        compiles.append(metrics.counter_value("UncachedCompile"))
+    assert not compiles[1], "a new lr recompiled"
+
+
+def test_optimizers_of_lazy_parameters_step_with_foreach(dev):
+    """An optimizer that leaves foreach to torch steps lazy parameters with foreach (as torch
+    does on CUDA) and reads foreach=None again after the step; one that chose foreach=False, or
+    whose parameters aren't all lazy, is left as it is."""
+    seen = []
+
+    def spy(opt, args, kwargs):
+        seen.append([group["foreach"] for group in opt.param_groups])
+
+    lazy = [torch.nn.Parameter(torch.randn(3).to(dev))]
+    cpu = [torch.nn.Parameter(torch.randn(3))]
+    opts = [torch.optim.AdamW(lazy, lr=0.1), torch.optim.AdamW(lazy, lr=0.1, foreach=False),
+            torch.optim.SGD([{"params": lazy}, {"params": cpu}], lr=0.1)]
+    for opt in opts:
+        opt.register_step_pre_hook(spy)
+        for p in lazy + cpu:
+            p.grad = torch.ones_like(p)
+        opt.step()
+    lm.mark_step()
+    assert seen == [[True], [False], [True, None]]
+    assert [[g["foreach"] for g in opt.param_groups] for opt in opts] == [[None], [False], [None, None]]
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_zero_grad_records_nothing_or_zeros(dev, set_to_none):
+    """zero_grad(set_to_none=True) records no node and creates no tensor; set_to_none=False
+    (foreach zero_ on lazy parameters) zeros the grads in place. Either way the next backward's
+    grads equal CPU's."""
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
+    model = copy.deepcopy(ref).to(dev)
+    opt, ref_opt = torch.optim.AdamW(model.parameters()), torch.optim.AdamW(ref.parameters())
+    x = torch.randn(5, 4)
+    for step in range(2):
+        for m, o, inp in ((model, opt, x.to(dev)), (ref, ref_opt, x)):
+            m(inp * (step + 1)).pow(2).sum().backward()
+        lm.mark_step()
+        grads = [p.grad for p in model.parameters()]
+        metrics.reset()
+        opt.zero_grad(set_to_none=set_to_none)
+        ref_opt.zero_grad(set_to_none=set_to_none)
+        if set_to_none:
+            assert not any(metrics.counter_value(n) for n in metrics.counter_names())
+            assert all(p.grad is None for p in model.parameters())
+        else:
+            assert not [c for c in metrics.counter_names() if c.startswith("aten::")]
+            assert all(p.grad is g for p, g in zip(model.parameters(), grads))  # the same tensors, zeroed
+            torch.testing.assert_close([g.cpu() for g in grads], [torch.zeros_like(p) for p in ref.parameters()])
+    for m, inp in ((model, x.to(dev)), (ref, x)):
+        m(inp).pow(2).sum().backward()
+    lm.mark_step()
+    torch.testing.assert_close([p.grad.cpu() for p in model.parameters()], [p.grad for p in ref.parameters()])
+
+
+@pytest.mark.parametrize("make", [lambda p: torch.optim.Adam(p, lr=1e-2, amsgrad=True),
+                                  lambda p: torch.optim.Adamax(p, lr=1e-2)], ids=["adam-amsgrad", "adamax"])
+def test_default_foreach_with_maximum_matches_cpu(dev, make):
+    """Optimizers whose foreach step calls _foreach_maximum_ (no per-tensor maximum_ exists) run
+    by default on lazy parameters and match CPU."""
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(4, 3)
+    model = copy.deepcopy(ref).to(dev)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(5, 4, generator=g),) for _ in range(3)]
+    train_side_by_side(model, ref, make, batches, lambda m, x: m(x).pow(2).mean(), dev)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.cpu(), q, rtol=1e-4, atol=1e-5)

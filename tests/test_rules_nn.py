@@ -158,3 +158,19 @@ def test_tiny_cnn_end_to_end():
     # ratex's shape inference (ratex/core/shape.py) cannot record yet: it runs eagerly.
     assert set(eager) <= {"aten::convolution_backward.default"}, eager
     assert metrics.counter_value("ratex::convolution_backward.default") > 0
+
+
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+@pytest.mark.parametrize("shape", [(10,), (3, 10)])
+def test_multilabel_margin_loss_matches_aten(dev, seeded, shape, reduction):
+    """torch._decomp's decomposition of this loss is wrong (unbatched inputs, sums): it runs on CPU."""
+    x = torch.randn(*shape, requires_grad=True)
+    target = torch.randint(-1, 10, shape)
+    xl = x.detach().to(dev).requires_grad_()
+    want = F.multilabel_margin_loss(x, target, reduction=reduction)
+    got = F.multilabel_margin_loss(xl, target.to(dev), reduction=reduction)
+    want.sum().backward()
+    got.sum().backward()
+    assert got.shape == want.shape
+    torch.testing.assert_close(got.cpu(), want)
+    torch.testing.assert_close(xl.grad.cpu(), x.grad)

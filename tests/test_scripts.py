@@ -61,3 +61,11 @@ def test_bench_refuses_bad_arguments(argv, says):
                          timeout=120)
     assert out.returncode == 2 and says in out.stderr, out
     assert "resnet" not in bench.MODELS
+
+
+def test_loader_bench_prints_both_ways():
+    out = subprocess.run([sys.executable, os.path.join(SCRIPTS, "loader_bench.py"), "--model", "lenet-b1",
+                          "--steps", "3", "--rounds", "1"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [line.split() for line in out.stdout.splitlines() if line.split()[:1] in (["to"], ["loader"])]
+    assert [row[0] for row in rows] == ["to", "loader"] and all(float(row[1]) > 0 for row in rows), out.stdout

@@ -195,3 +195,13 @@ def test_optimizer_update_builds_no_intermediate_tensors(dev):
     p.add_(buf, alpha=-0.01)
     assert metrics.counter_value("CreateLazyTensor") == before
     torch.testing.assert_close(p.cpu(), torch.full((3, 3), 1 - 0.019))
+
+
+@pytest.mark.parametrize("alpha", [0.5, 2])
+def test_add_alpha_keeps_its_inputs_layout(dev, alpha):
+    """a.t() + b.t() * alpha is laid out like its inputs (transposed), as on CPU."""
+    a, b = torch.randn(4, 3), torch.randn(4, 3)
+    want = torch.add(a.t(), b.t(), alpha=alpha)
+    got = torch.add(a.to(dev).t(), b.to(dev).t(), alpha=alpha)
+    assert got.stride() == want.stride()
+    torch.testing.assert_close(got.cpu(), want)

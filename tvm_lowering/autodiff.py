@@ -401,12 +401,31 @@ def _dropout_grad(orig_var, orig_call, output_grad, bb):
     raise NotImplementedError("gradient of relax.nn.dropout (its random mask cannot be replayed)")
 
 
+def _dependent_outputs(fwd: relax.Function, diff: list):
+    """Positions of fwd's outputs computed from some parameter in `diff` (None: not known)."""
+    live = {fwd.params[i] for i in diff}
+    values = {}
+    for block in fwd.body.blocks:
+        for binding in block.bindings:
+            values[binding.var] = binding.value
+            if any(v in live for v in relax.analysis.free_vars(binding.value)):
+                live.add(binding.var)
+    result = fwd.body.body
+    result = values.get(result, result) if isinstance(result, relax.Var) else result
+    if not isinstance(result, relax.Tuple):
+        return None
+    return {i for i, f in enumerate(result.fields) if not isinstance(f, relax.Var) or f in live}
+
+
 def vjp(fwd: relax.Function, diff: list, n_outs: int) -> relax.Function:
     """Return bwd(fwd's params..., grad_outs...) -> (scalar, (grads of params[diff]...)).
 
     Only fwd's first `n_outs` outputs get incoming gradients; the rest (new buffer
-    values) are state, not results, and are dead code in bwd.
+    values) are state, not results, and are dead code in bwd. So are outputs that no
+    parameter in `diff` reaches (a gather from a buffer): their gradient is zero, and
+    Gradient would refuse their ops if they lack gradient rules.
     """
+    dependent = _dependent_outputs(fwd, diff)
     params = [relax.Var(p.name, p.ty) for p in fwd.params]
     out_tys = list(fwd.ret_ty.fields)[:n_outs]
     grads = [relax.Var(f"grad_out{i}", ty) for i, ty in enumerate(out_tys)]
@@ -414,11 +433,16 @@ def vjp(fwd: relax.Function, diff: list, n_outs: int) -> relax.Function:
     with bb.function("bwd", params + grads):
         with bb.dataflow():
             outs = inline(bb, fwd, params)
+            # The outputs by their own variables where fwd's result is a tuple literal: then the
+            # tuple, and what only it reads (new buffers, index checks), is unused here.
+            bound = bb.lookup_binding(outs) if isinstance(outs, relax.Var) else outs
+            if isinstance(bound, relax.Tuple):
+                outs = bound
             total = None
             for i, (g, ty) in enumerate(zip(grads, out_tys)):
-                if not str(ty.dtype).startswith(("float", "bfloat")):
+                if not str(ty.dtype).startswith(("float", "bfloat")) or (dependent is not None and i not in dependent):
                     continue
-                o = bb.emit(relax.TupleGetItem(outs, i))
+                o = outs.fields[i] if isinstance(outs, relax.Tuple) else bb.emit(relax.TupleGetItem(outs, i))
                 s = bb.emit(op.sum(op.multiply(o, g)))
                 if str(ty.dtype) != "float32":
                     s = bb.emit(op.astype(s, "float32"))
@@ -428,5 +452,8 @@ def vjp(fwd: relax.Function, diff: list, n_outs: int) -> relax.Function:
             result = bb.emit_output(total)
         bb.emit_func_output(result)
     mod = bb.get()
+    # What the loss does not read goes first: the forward's index checks (ops/bounds.py) are
+    # reductions without gradient rules, and Gradient refuses any op it meets without one.
+    mod["bwd"] = relax.analysis.remove_all_unused(mod["bwd"])
     mod = relax.transform.Gradient("bwd", require_grads=[params[i] for i in diff])(mod)
     return mod["bwd_adjoint"]

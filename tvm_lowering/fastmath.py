@@ -2,9 +2,9 @@
 
 TVM lowers `T.exp` to LLVM's `llvm.exp` intrinsic, which the x86 backend
 turns into one scalar libm call per element even inside a vectorized loop: a
-1024x1024 exp ran 17x slower than torch's. The CPU pipeline legalizes exp and
+1024x1024 exp runs far slower than torch's. The CPU pipeline legalizes exp and
 sigmoid with the rules below, which compute float32 exp as range reduction
-plus a polynomial that vectorizes (1.0x torch's time on that exp):
+plus a polynomial that vectorizes (on par with torch's on that exp):
 
     exp(x) = 2^n * exp(r),  n = round(x / ln 2),  r = x - n ln 2,  |r| <= ln2 / 2
 

@@ -14,7 +14,7 @@ from tvm import IRModule, relax
 from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
 
 from . import dtypes
-from .ops import RULES, SCRIPT_RULES, TIR_RULES
+from .ops import RULES, SCRIPT_RULES, TIR_RULES, bounds
 
 
 class LoweringError(RuntimeError):
@@ -34,6 +34,9 @@ class Importer(ExportedProgramImporter):
     # of ops/kit.py and scans of ops/reductions.py), which a CUDA build would leave on the host, reading
     # device memory.
     host_kernels = False
+    # Index checks being collected (ops/bounds.py): None where the caller did not ask for them.
+    checks = None
+    site = -1  # the number the caller gave the node being lowered (meta[bounds.SITE]), for its checks
 
     def __init__(self, differentiable=False):
         # The graph is a jit.script forward that Relax's Gradient will differentiate:
@@ -98,8 +101,13 @@ def _check(node: fx.Node, expr: relax.Expr):
 
 
 def import_graph(graph: fx.Graph, name: str = "main", library: bool = False, host_kernels: bool = False,
-                 differentiable: bool = False, library_min_macs: int = 0) -> IRModule:
+                 differentiable: bool = False, library_min_macs: int = 0, checks: list = None) -> IRModule:
     """Return an IRModule whose `name` function computes `graph`'s outputs as a tuple.
+
+    Indices read from tensors never reach memory out of bounds. Given a list `checks`, the
+    function also checks them: where some op indexes, it returns one more output, the
+    check rows of ops/bounds.py, and `checks` receives each row's header
+    (site, sub, dim, low, high); a node's site is its meta[bounds.SITE].
 
     With `library`, matmul and convolution become calls to the `ratex.lib.*`
     kernel library instead of TVM-generated code (those of fewer than
@@ -111,6 +119,7 @@ def import_graph(graph: fx.Graph, name: str = "main", library: bool = False, hos
     imp.library = library
     imp.library_min_macs = library_min_macs
     imp.host_kernels = host_kernels
+    imp.checks = [] if checks is not None else None
     bb = relax.BlockBuilder()
     imp.block_builder = bb
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
@@ -128,6 +137,7 @@ def import_graph(graph: fx.Graph, name: str = "main", library: bool = False, hos
                     fn = imp.convert_map.get(node.target.__name__)
                     if fn is None:
                         raise LoweringError(node, "no lowering rule")
+                    imp.site = node.meta.get(bounds.SITE, -1)
                     try:
                         expr = fn(node)
                     except LoweringError:
@@ -138,6 +148,8 @@ def import_graph(graph: fx.Graph, name: str = "main", library: bool = False, hos
                     imp.env[node] = expr
                 elif node.op == "output":
                     outputs = [imp.env[a] for a in node.args[0]]
+            if imp.checks:
+                outputs.append(bounds.output(imp, checks))
             result = bb.emit_output(relax.Tuple(outputs))
         bb.emit_func_output(result)
     return bb.get()

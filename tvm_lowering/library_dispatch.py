@@ -21,9 +21,9 @@ _FLOATS = ("float32", "float64")
 
 # Under RATEX_KERNELS=auto, a matmul or convolution of fewer multiply-adds than this runs as
 # TVM code (schedules.Contraction), larger ones in the library. PyTorch's CPU convolution
-# costs ~100 us a call however small (LeNet-5 at batch 1: 0.1-0.5 M multiply-adds, 100-230 us
-# each in torch, 5-17 us each as TVM code; its step's program 0.93 -> 0.37 ms), while TVM's
-# tiles reach ~60% of torch's sgemm on large matmuls (MLP 128x1024x1024: 4.7 vs 2.7 ms).
+# has a fixed cost per call however small (LeNet-5 at batch 1, 0.1-0.5 M multiply-adds each,
+# runs its convolutions much faster as TVM code), while TVM's tiles fall short of torch's
+# sgemm on large matmuls (MLP 128x1024x1024).
 AUTO_MIN_MACS = 1 << 20
 
 
@@ -146,7 +146,7 @@ class _Dispatch(relax.PyExprMutator):
         """(operand, flag): a matmul operand that is a swap of its last two axes is passed
         untransposed and flagged; the kernel reads it as a strided view. relax Gradient
         writes linear layers' gradients as matmuls of permute_dims, and each transpose
-        ran as a copy kernel of its own (4.3 ms of the MLP's 17 ms step)."""
+        would run as a copy kernel of its own (a sizeable share of the MLP's step)."""
         value = self.lookup_binding(x) if isinstance(x, relax.Var) else None
         if not isinstance(value, relax.Call) or not value.op.same_as(_PERMUTE):
             return x, False
@@ -162,8 +162,8 @@ class _Dispatch(relax.PyExprMutator):
 
 _PRODUCTS = ("relax.nn.conv2d", "relax.nn.conv2d_transpose", "relax.matmul")
 # Relax ops run as the ATen op of the same meaning: (op, its arguments after the tensor).
-# TVM's kernels for these are scalar exp/erf loops (see ops/library.py); in the scripted GPT
-# benchmark its gelu took 6.5 ms a call and its softmax 3 ms, PyTorch's 0.9 and 0.6.
+# TVM's kernels for these are scalar exp/erf loops (see ops/library.py), far slower than
+# PyTorch's gelu and softmax in the scripted GPT benchmark.
 _ATEN_CALLS = {
     "relax.nn.softmax": ("aten._softmax.default", lambda a: [int(a.axis), False]),
     "relax.nn.log_softmax": ("aten._log_softmax.default", lambda a: [int(a.axis), False]),

@@ -3,8 +3,8 @@
 relax Gradient (`ratex.jit.script`) differentiates `max_pool2d` into
 `relax.grad.max_pool2d_backward(dy, x)`, which has no indices: TVM legalizes it
 into an unscheduled scatter, and PyTorch's kernel first recomputes the forward
-with indices (13 ms for the MNIST Net's 64x64x24x24 pool, 17 ms with the
-backward). Where the windows tile the input (stride = window, no padding or
+with indices, which takes most of its time on the MNIST Net's 64x64x24x24 pool.
+Where the windows tile the input (stride = window, no padding or
 dilation, no leftover rows, windows up to 2x2: the usual pool), every element belongs to one
 window, and its gradient is computed where it is:
 
@@ -22,7 +22,7 @@ from .schedules import MATERIALIZE
 
 
 # The winner is a chain of selects written out per window element, and each step reads the
-# last twice: the expression doubles per element (a 3x3 window's took minutes to compile).
+# last twice: the expression doubles per element (a 3x3 window's is far too slow to compile).
 _MAX_WINDOW = 4
 
 

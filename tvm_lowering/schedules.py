@@ -50,8 +50,8 @@ class Injective(CPUScheduleRule):
 def _fuse_elementwise(sch, infos):
     """Inline elementwise blocks into each other, then vectorize what is left of them."""
     # Inlining copies a producer's expression into every load of it, and loads of loads
-    # multiply: erfinv's backward (~2900 ops an element) once grew a kernel to 300 KB of
-    # TIR that took 96 s to compile (2.7 s left alone). Costly producers -- the random
+    # multiply: erfinv's backward (~2900 ops an element) inlined grows a kernel to hundreds of
+    # KB of TIR that compiles far slower than left alone. Costly producers -- the random
     # bits' hash, special functions -- stay loops of their own; none of the benchmark
     # models' other kernels has a block above 6 ops an element.
     costly = [info for info in infos if _ops_per_element(sch, info.block_rv) > _INLINE_MAX_OPS
@@ -74,15 +74,15 @@ class Contraction(CPUScheduleRule):
     """A sum of products, C[...] += A[...] * B[...]: matmul, batch matmul, conv2d and the
     convolutions of its gradients (conv2d_transpose, the weight gradient as a conv).
 
-    Unscheduled, each output element is one serial chain of scalar multiply-adds
-    (MLP's 128x1024x1024 matmul: 600 ms). Scheduled as a register-tiled
+    Unscheduled, each output element is one serial chain of scalar multiply-adds.
+    Scheduled as a register-tiled
     outer product: the output's innermost axis is cut into a vector of up to 16
     lanes, and a spatial axis the vector operand does not read (matmul's rows,
     conv's output channels) into up to 8 rows, so each step of the reduction
     loads one vector, broadcasts 8 scalars and does 8 vector FMAs into
     accumulators held in registers (a "local" tile written back, with the
     kernel's elementwise epilogue -- bias, relu -- applied on the way out).
-    Tiles run in parallel. That matmul: 4.7 ms (57 GFLOP/s; torch's sgemm ~2.7 ms).
+    Tiles run in parallel.
     Producers (padding, dilation, a flipped kernel) stay loops of their own.
     """
 
@@ -224,7 +224,7 @@ class ColumnReduction(CPUScheduleRule):
     or, with an inlined prologue, sum(a * b, dim=(0, 1)) (layer norm's weight gradient).
 
     Unscheduled, it walks each output's reduced axis with a stride of a whole
-    row (64x slower than torch for a 1024x1024 sum). Scheduled: loops become
+    row (far slower than torch for a 1024x1024 sum). Scheduled: loops become
     [kept outer (parallel), reduced, kept middle (up to 16 vectors), kept inner
     (16 lanes, vectorized)], so each step adds a contiguous run of a row into
     the accumulators.
@@ -243,8 +243,8 @@ class ColumnReduction(CPUScheduleRule):
         kept = sch.fuse(*s_loops) if len(s_loops) > 1 else s_loops[0]
         red = sch.fuse(*r_loops) if len(r_loops) > 1 else r_loops[0]
         # Each parallel task takes a chunk of up to 16 vectors of columns, so every row it adds
-        # is a 1 KB contiguous run (one 64-byte vector per row walked memory a row apart:
-        # a 1024x1024 column sum took 280 us, 1.8x torch's).
+        # is a 1 KB contiguous run (one 64-byte vector per row walks memory a row apart,
+        # slower than torch's).
         width = math.prod(extents[: len(spatial)])
         vectors = next(v for v in (16, 8, 4, 2, 1) if width % (v * _VECTOR) == 0)
         outer, mid, inner = sch.split(kept, [None, vectors, _VECTOR])
@@ -259,10 +259,10 @@ class RowReduction(CPUScheduleRule):
     """A reduction over the input's innermost (contiguous) axes, with nothing after it:
     max/sum along rows (attention scores' max, a loss's row sums).
 
-    Unscheduled, each row is one serial chain of dependent adds or maxes (a 4096x128
-    row max: 360 us). Scheduled: the reduced loop splits into 16-lane chunks and
-    rfactor keeps 16 partial results per row in a vector, folded at the row's end
-    (56 us); rows run in parallel. Sums are added in another order than the serial
+    Unscheduled, each row is one serial chain of dependent adds or maxes.
+    Scheduled: the reduced loop splits into 16-lane chunks and
+    rfactor keeps 16 partial results per row in a vector, folded at the row's end;
+    rows run in parallel. Sums are added in another order than the serial
     loop's, as PyTorch's vectorized sums are.
     """
 
@@ -277,8 +277,8 @@ class RowReduction(CPUScheduleRule):
             return None
         # Only the reduced axes that are the inputs' innermost indices make one contiguous run;
         # the others (the batch of a conv's bias gradient, sum over (0, 2, 3)) stay outer loops.
-        # Fused in with the run, they made each vector's lanes a div/mod of the fused index,
-        # which LLVM gathers lane by lane: that bias gradient took 20x torch's time.
+        # Fused in with the run, they would make each vector's lanes a div/mod of the fused index,
+        # which LLVM gathers lane by lane: far slower than torch's for that bias gradient.
         run = _contiguous_run(sch.get(block), reduce)
         length = math.prod(extents[len(extents) - run:])  # of a row
         lanes = next((w for w in (16, 8, 4) if length % w == 0 and length >= 2 * w), None)
@@ -359,10 +359,10 @@ def _vectorize_innermost(sch, loops, extents):
     run the loops outside it in parallel.
 
     Vectorizing the innermost loop keeps each vector's lanes on one contiguous row. Fusing
-    every loop and splitting off 16 lanes, as this rule once did, makes each lane's
+    every loop and splitting off 16 lanes instead makes each lane's
     indices a div/mod of the fused index wherever the row length isn't a multiple of 16
     (28, 10, 5: conv activations), and LLVM then gathers lane by lane: relu on a 64x6x28x28
-    tensor took 500 us that way, 60 us this way.
+    tensor runs far slower that way.
     """
     *outer, last = loops
     width = next((w for w in (16, 8, 4, 2) if extents[-1] % w == 0 and extents[-1] > w), None)

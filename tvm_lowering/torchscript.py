@@ -11,6 +11,10 @@ the output metas and structure, and, built on first use, the backward
 `bwd(inputs..., attrs..., consts..., masks..., grad_outputs...) -> (loss, (grads...))`
 that `relax.transform.Gradient` derives from `fwd`.
 
+Indices are checked as in every program (ops/bounds.py): where the forward indexes with
+tensors, its last output holds the check rows, `Script.checks` their headers and
+`Script.sites` the TorchScript op and source range of each checked site.
+
 State that a training-mode forward changes becomes explicit: each training
 dropout takes its bool keep mask as an input (`Script.dropouts` says its shape
 and p). The caller draws it from a fresh seed with the lazy path's own
@@ -36,6 +40,7 @@ from tvm import relax
 
 from . import autodiff
 from .importer import import_graph
+from .ops.bounds import SITE
 from .ops.script import register  # noqa: F401  (ratex.jit registers each converted script through here)
 
 aten = torch.ops.aten
@@ -48,7 +53,8 @@ class ConversionError(RuntimeError):
 class Script:
     """A converted forward, its metas, and its (lazily built) backward."""
 
-    def __init__(self, fwd, n_inputs, attr_paths, consts, dropouts, out_metas, out_spec, writes, diff):
+    def __init__(self, fwd, n_inputs, attr_paths, consts, dropouts, out_metas, out_spec, writes, diff, checks=(),
+                 sites=None):
         self.fwd = fwd  # relax.Function
         self.n_inputs = n_inputs
         self.attr_paths = attr_paths  # module attribute path of each attr input, in order
@@ -59,6 +65,8 @@ class Script:
         self.writes = writes  # attr paths of the buffers the forward writes: the last outputs
         self.n_outs = len(out_metas) - len(writes)  # the model's own outputs
         self.diff = diff  # indices (into inputs+attrs+consts) that get gradients
+        self.checks = list(checks)  # headers of the index checks in fwd's last output (ops/bounds.py)
+        self.sites = sites or {}  # site of a check -> (TorchScript op, its source range)
         self._bwd = None
         self._lock = threading.Lock()
 
@@ -143,6 +151,7 @@ class _Converter:
         self.consts, self.const_nodes = [], {}
         self.masks, self.dropouts = [], []  # keep-mask placeholders; (shape, p) of each
         self.writes = {}  # attr path -> fx node of the value the forward wrote there
+        self.ts_node, self.origins = None, []  # the TorchScript node being converted; that of each fx call
         ts_inputs = list(graph.inputs())
         if len(ts_inputs) != len(input_metas) + 1:
             raise ConversionError(f"graph takes {len(ts_inputs) - 1} inputs, {len(input_metas)} given")
@@ -232,6 +241,7 @@ class _Converter:
 
     # ---- one TorchScript node ------------------------------------------------
     def _node(self, node):
+        self.ts_node = node
         kind = node.kind()
         ins = [self.env[v.unique()] for v in node.inputs()]
         outs = list(node.outputs())
@@ -368,6 +378,8 @@ class _Converter:
         except Exception as exc:
             raise ConversionError(f"{op}: {exc}") from exc
         call = self.g.call_function(op, tuple(args), kwargs)
+        call.meta[SITE] = len(self.origins)
+        self.origins.append(self.ts_node)
         if isinstance(val, torch.Tensor):
             call.meta["val"] = val
             return call
@@ -426,15 +438,18 @@ def convert(graph, input_metas, attr_metas, diff_inputs=(), diff_attrs=None) -> 
     out_metas, out_spec = conv.run()
     fxg = conv.g
     fxg.lint()
-    mod = import_graph(fxg, name="fwd", differentiable=True)
+    checks = []
+    mod = import_graph(fxg, name="fwd", differentiable=True, checks=checks)
     fwd = mod["fwd"]
     kernels = _tir_kernels(fwd)
     if kernels:  # neither differentiable nor callable once fwd is inlined without the module's PrimFuncs
         raise ConversionError(f"a rule emitted TIR kernels {kernels} where Relax ops are needed")
+    sites = {site: (conv.origins[site].kind(), conv.origins[site].sourceRange())
+             for site, *_ in checks if 0 <= site < len(conv.origins)}
     n_in = conv.n_inputs
     diff = [i for i in diff_inputs if input_metas[i][1].is_floating_point]
     for j, path in enumerate(conv.attr_paths):
         if (diff_attrs is None or path in diff_attrs) and attr_metas[path][1].is_floating_point:
             diff.append(n_in + j)
     return Script(fwd, n_in, list(conv.attr_paths), list(conv.consts), list(conv.dropouts), out_metas, out_spec,
-                  list(conv.writes), diff)
+                  list(conv.writes), diff, checks, sites)

@@ -190,7 +190,7 @@ class Tuner:
         self.target = tvm.target.Target({**target.export(), "num-cores": cores or os.cpu_count() or 1})
         self._db = None
         self._records = None  # workload hash -> fingerprint of its records
-        self._hashes = {}  # the database's workload objects -> their hash (hashing costs ~1 ms)
+        self._hashes = {}  # the database's workload objects -> their hash (hashing is costly)
 
     # ---- the database ---------------------------------------------------------------
     def database(self, create: bool = False):

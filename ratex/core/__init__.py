@@ -7,7 +7,8 @@
   tensor    tensor.py (LazyTensor), storage.py (values shared by a base and its views,
             the list of pending ones), chain.py (view chains replayed and scattered back)
   runtime   device.py (device data), launch.py (running programs off the tracing
-            thread), executor.py (compiled programs), kernels.py (the kernel library)
+            thread), executor.py (compiled programs), kernels.py (the kernel library),
+            bounds.py (what a program's index checks found)
   ir        ir.py (nodes, values, argument templates), shape.py (shape inference),
             graph.py (graph cut, fx export), render.py (a graph as text), metrics.py,
             progress.py

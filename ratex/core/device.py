@@ -71,11 +71,11 @@ class CPUBackend:
 
         TVM's FFI takes torch tensors as arguments and, given one, returns torch tensors: the
         DLPack exchange happens in C, not in a Python call per tensor on the executor thread
-        (where each one waited for the GIL while Python traced the next step). `empty`: some
+        (where each one would wait for the GIL while Python traces the next step). `empty`: some
         input has no elements, whose DLPack strides TVM may not take as compact. The
         outputs come back as an ffi Array: a slice lists it in one pass, where iterating
         it costs a length check and an index check per element (LeNet-5 b1's 22 outputs:
-        ~60 us of the executor thread's time under the GIL, which tracing waits for).
+        noticeable executor-thread time under the GIL, which tracing waits for).
         """
         if empty:
             inputs = [self._empty(x) if x.numel() == 0 else x for x in inputs]

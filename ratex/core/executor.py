@@ -26,7 +26,8 @@ PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # ratex/:
 
 
 class Program:
-    """One compiled graph: a Relax VM function taking leaves, returning roots.
+    """One compiled graph: a Relax VM function taking leaves, returning roots (and, where the
+    graph indexes with tensors, the rows of its index checks after them: see ratex/core/bounds.py).
 
     `donate`: the (input, output) pairs whose output may be written into the
     input's buffer (see tvm_lowering/inplace.py). `aliasing`: the program runs
@@ -77,7 +78,7 @@ class Program:
         return prepare(fn, self.aliasing, donate, list(self.constant))
 
     def run(self, inputs: list) -> list:
-        """Run on device data `inputs`; return device data, one per root."""
+        """Run on device data `inputs`; return device data, one per root (then the index checks, if any)."""
         be = backend()
         if self.graph_inputs is not None:
             self._check_graph_inputs(inputs)
@@ -189,9 +190,11 @@ def _compile(graph: Graph, key, donate: tuple, aliasing: bool) -> Program:
     be = backend()
     options = compile_options(be)
     with metrics.timed("LowerTime"):
+        # With index checks: the program's last output tells which indices were out of range
+        # (launch.py reads it, bounds.py names them).
         mod = tvm_lowering.import_graph(
             to_fx(graph), library=options.library, host_kernels=be.target.host_kernels,
-            library_min_macs=options.library_min_macs,
+            library_min_macs=options.library_min_macs, checks=[],
         )
     _attach(be)
     dev = be.target.device()

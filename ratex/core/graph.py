@@ -9,6 +9,7 @@ import operator
 import torch
 from torch import fx
 
+from tvm_lowering.ops.bounds import SITE
 from .ir import fill
 
 
@@ -25,9 +26,9 @@ class Graph:
 def cut(roots: list) -> Graph:
     """Return the graph computing `roots` (values) from computed values.
 
-    Runs at every sync over every node: 45 nodes (scripted LeNet-5) take ~60 us,
-    756 (GPT) ~0.8 ms, so the per-input work is written out inline, and nodes are
-    their own dict keys (Node hashes by identity; an id() call per lookup cost more).
+    Runs at every sync over every node (45 in scripted LeNet-5, 756 in GPT), so the
+    per-input work is written out inline, and nodes are
+    their own dict keys (Node hashes by identity; an id() call per lookup costs more).
     """
     leaves, leaf_pos = [], {}
     nodes, node_pos = [], {}
@@ -83,8 +84,9 @@ def _meta_tensor(meta):
 def to_fx(graph: Graph) -> fx.Graph:
     """Return the graph as a torch.fx.Graph of ATen OpOverloads (for lowering and display).
 
-    Each call node's meta has 'val' (meta tensors of its outputs) and
-    'ratex_node' (the lazy IR node it came from).
+    Each call node's meta has 'val' (meta tensors of its outputs), 'ratex_node' (the lazy IR
+    node it came from) and the node's position in `graph.nodes`, by which a program's index
+    checks name it (tvm_lowering.ops.bounds.SITE).
     """
     g = fx.Graph()
     env = {}
@@ -105,12 +107,13 @@ def to_fx(graph: Graph) -> fx.Graph:
         env[(id(node), idx)] = item
         return item
 
-    for node in graph.nodes:
+    for pos, node in enumerate(graph.nodes):
         args, kwargs = fill(node.spec, [lookup(v) for v in node.inputs])
         call = g.call_function(node.op, tuple(args), dict(kwargs))
         vals = [_meta_tensor(m) for m in node.metas]
         call.meta["val"] = vals[0] if not node.multi else tuple(vals)
         call.meta["ratex_node"] = node
+        call.meta[SITE] = pos
         produced[id(node)] = call
         if not node.multi:
             env[(id(node), 0)] = call

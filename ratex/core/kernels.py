@@ -14,8 +14,8 @@ built by the install into the package as ratex/_lib/libratex_kernels.so: see set
 replaces them with C++ versions of the same names and calling convention (on GPU, where it
 was built against a torch with CUDA). Compiled
 programs run on the executor thread while Python traces the next step, and each Python
-kernel call has to wait for the GIL (LeNet's pipelined steps ran their kernels 2.5x
-slower); the native ones never take it.
+kernel call has to wait for the GIL (which markedly slows LeNet's pipelined steps'
+kernels); the native ones never take it.
 `RATEX_NATIVE_KERNELS=0` keeps the Python kernels.
 """
 import ctypes

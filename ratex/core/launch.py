@@ -5,7 +5,9 @@ traces step N+1 while step N runs (the Relax VM releases the GIL inside
 kernels). Whatever needs the values themselves (`.cpu()`, `.item()`, an eager
 fallback) waits for them with `resolve`. An error while executing is raised at
 the next sync point (`raise_failures`), naming the graph and the error, and the
-storages the failed step wrote go back to the values they had before it.
+storages the failed step wrote go back to the values they had before it. So is an
+index out of range, which a program reports in its index checks (bounds.py): its
+job fails as it hands its outputs on, with an IndexOutOfRange.
 RATEX_ASYNC=0, or `serialize(True)` (the profiler), runs programs inline.
 
 The worker is the native runner's C++ thread (csrc/runner.cc) where the program
@@ -24,7 +26,7 @@ import threading
 import tvm_ffi
 
 from .. import config
-from . import metrics
+from . import bounds, metrics
 
 # (storage, previous value) pairs of the mark_step in progress: every job it launches can roll them back
 _restore_ctx = [()]
@@ -44,15 +46,35 @@ class ExecutionError(RuntimeError):
     """A launched program failed while running."""
 
 
+class IndexOutOfRange(ExecutionError, IndexError):
+    """A launched program met an index out of range (PyTorch raises IndexError for those);
+    `detail` names the op and the index."""
+
+    def __init__(self, detail: str, text: str = None):
+        super().__init__(text or detail)
+        self.detail = detail
+
+
+def _reported(job, note: str = "") -> ExecutionError:
+    """The error to raise for failed `job`, `note` ending its message. An index out of range is
+    named first, by the op that read it, whichever program (this one, or one it read from) met it."""
+    err = job.error
+    if isinstance(err, IndexOutOfRange):
+        return IndexOutOfRange(err.detail, f"ratex: {err.detail} (while executing {job.label}){note}")
+    return ExecutionError(f"ratex: executing {job.label} failed: {type(err).__name__}: {err}{note}")
+
+
 class Job:
     """One launched program run: inputs in, outputs (or an error) out."""
 
     __slots__ = ("program", "inputs", "targets", "pendings", "outs", "error", "done", "restore", "lost", "label",
-                 "ticket")
+                 "ticket", "sites", "after")
 
-    def __init__(self, program, inputs, targets, label):
-        self.program, self.inputs, self.targets, self.label = program, inputs, targets, label
+    def __init__(self, program, inputs, targets, label, sites=None):
+        """`sites`: the graph's nodes, which the program's index checks name by position."""
+        self.program, self.inputs, self.targets, self.label, self.sites = program, inputs, targets, label, sites
         self.outs = self.error = self.ticket = None  # ticket: the native runner's, until collected
+        self.after = ()  # earlier native jobs whose outputs this one read before they were collected
         self.restore = _restore_ctx[0]
         self.lost = ()  # (id(node), index) of old values whose buffers the run writes in place
         self.pendings = [Pending(self, k) for k in range(len(targets))]
@@ -64,11 +86,12 @@ class Job:
             inputs = [resolve(x) for x in self.inputs]
             with metrics.timed("ExecuteTime"):
                 self.outs = self.program.run(inputs)
+            self._check_indices()
             self._deliver()
         except BaseException as err:  # noqa: BLE001 - reported at the next sync point
             self._fail(err)
         finally:
-            self.inputs = self.targets = self.pendings = None
+            self.inputs = self.targets = self.pendings = self.sites = None
             self.done.set()
 
     def _deliver(self):
@@ -78,6 +101,15 @@ class Job:
             pending.job = None  # copies of the Pending elsewhere let go of the job
         self.restore = None
 
+    def _check_indices(self):
+        """Raise IndexOutOfRange where the program's index checks (its output after the roots')
+        found an index out of range; the outputs are then garbage, read from clamped addresses."""
+        sites, self.sites = self.sites, None
+        if len(self.outs) > len(self.targets):
+            message = bounds.violation(self.outs.pop(), sites)
+            if message is not None:
+                raise IndexOutOfRange(message)
+
     def _fail(self, err):
         self.error = err
         _failed.append(self)
@@ -86,7 +118,7 @@ class Job:
         """Queue the run on the native runner (tracing thread). An input that an earlier
         native job will produce goes as `ticket << 20 | output index` (csrc/runner.cc)."""
         try:
-            args = []
+            args, after = [], []
             for x in self.inputs:
                 if type(x) is Pending:
                     job = x.job
@@ -94,13 +126,15 @@ class Job:
                         x = x.data
                     elif job.ticket is not None:
                         x = job.ticket << _INDEX_BITS | x.index
+                        after.append(job)
                     else:
                         x = x.get()  # a failed job's: raises its error, which this job then reports
                 args.append(x)
             self.ticket = launcher(*args)
+            self.after = tuple(after)
         except BaseException as err:  # noqa: BLE001 - reported at the next sync point, as run() does
             self._fail(err)
-            self.targets = self.pendings = None
+            self.targets = self.pendings = self.sites = None
             self.done.set()
         finally:
             self.inputs = None
@@ -132,11 +166,17 @@ class Job:
                 got = got[:]
                 metrics.record("ExecuteTime", got[0], got[1])
                 self.outs = got[2:]
+                self._check_indices()
+                for job in self.after:  # it ran on their outputs: garbage where they failed their checks
+                    job._collect()
+                    if job.error is not None:
+                        raise job.error
                 self._deliver()
         except BaseException as err:  # noqa: BLE001 - reported at the next sync point
             self._fail(err)
         finally:
-            self.targets = self.pendings = None
+            self.targets = self.pendings = self.sites = None
+            self.after = ()
             self.done.set()
 
     def finished(self) -> bool:
@@ -176,7 +216,7 @@ class Job:
     def result(self, k):
         self.wait()
         if self.error is not None:
-            raise ExecutionError(f"ratex: executing {self.label} failed: {self.error}") from self.error
+            raise _reported(self) from self.error
         return self.outs[k]
 
 
@@ -223,6 +263,18 @@ class Pending:
 def resolve(data):
     """Return device data, waiting for the program that produces it if it is still running."""
     return data.get() if type(data) is Pending else data
+
+
+def read(data):
+    """Return device data as `resolve` does, for a reader of its values (`.cpu()`, `.item()`): a
+    failed program's error is raised as `raise_failures` raises it, its step rolled back."""
+    if type(data) is not Pending:
+        return data
+    try:
+        return data.get()
+    except ExecutionError:
+        raise_failures()  # raises the first failure not reported yet, if any
+        raise
 
 
 _queue = queue.Queue()
@@ -329,8 +381,8 @@ def raise_failures():
     for job in jobs:
         job.rollback()
     job = jobs[0]
-    raise ExecutionError(
-        f"ratex: executing {job.label} failed: {type(job.error).__name__}: {job.error}. "
-        "The tensors that step would have written keep their previous values, except those whose "
+    raise _reported(
+        job,
+        ". The tensors that step would have written keep their previous values, except those whose "
         "buffers it was writing in place (ENABLE_PARAM_ALIASING): reading them raises this error again."
     ) from job.error

@@ -16,14 +16,19 @@ def counter_inc(name: str, n: int = 1):
     _counters[name] += n
 
 
+# The names torch._lazy's C++ core gives the same counters (LTC documents use them).
+ALIASES = {"CreateLtcTensor": "CreateLazyTensor", "DestroyLtcTensor": "DestroyLazyTensor"}
+
+
 def counter_value(name: str):
-    """Return the value of counter `name`, or None if it never moved."""
-    return _counters.get(name)
+    """Return the value of counter `name` (or of its LTC alias), or None if it never moved."""
+    return _counters.get(ALIASES.get(name, name))
 
 
 def counter_names():
-    """Return the names of all counters that have moved."""
-    return [k for k, v in _counters.items() if v]
+    """Return the names of all counters that have moved, LTC aliases included."""
+    names = [k for k, v in _counters.items() if v]
+    return names + [alias for alias, name in ALIASES.items() if _counters.get(name)]
 
 
 def add_sample(name: str, seconds: float):
@@ -90,8 +95,13 @@ def metric_data(name: str):
 
 def metrics_report() -> str:
     """Return a human-readable report of all counters and timers."""
+    return _report(list(_timers), list(_counters))
+
+
+def _report(timers, counters) -> str:
     lines = []
-    for name, samples in _timers.items():
+    for name in timers:
+        samples = _timers[name]
         total = sum(samples)
         lines += [
             f"Metric: {name}",
@@ -99,9 +109,24 @@ def metrics_report() -> str:
             f"  Accumulator: {total * 1e3:.3f}ms",
             f"  Mean: {total / len(samples) * 1e3:.3f}ms",
         ]
-    for name, value in _counters.items():
-        lines += [f"Counter: {name}", f"  Value: {value}"]
+    for name in counters:
+        lines += [f"Counter: {name}", f"  Value: {counter_value(name)}"]
     return "\n".join(lines)
+
+
+# What short_metrics_report shows unless told otherwise: whether steps compiled, how long
+# compiling and running took; every fallback (`aten::<op>`) is added, as torch_xla does.
+SHORT_COUNTERS = ("MarkStep", "UncachedCompile", "CachedCompile", "PersistentCacheHit")
+SHORT_METRICS = ("CompileTime", "ExecuteTime")
+
+
+def short_metrics_report(counter_names=None, metric_names=None) -> str:
+    """Return `metrics_report` restricted to the given counters and timers (default: compiles,
+    steps, compile and execute time) plus every fallback counter `aten::<op>`."""
+    counters = SHORT_COUNTERS if counter_names is None else counter_names
+    timers = SHORT_METRICS if metric_names is None else metric_names
+    counters = list(counters) + sorted(k for k in _counters if k.startswith("aten::") and k not in counters)
+    return _report([t for t in timers if _timers.get(t)], [c for c in counters if counter_value(c)])
 
 
 def reset():

@@ -31,7 +31,7 @@ class Storage:
         node, idx = value
         if node.results[idx] is None:
             track(self)
-            if config.SAVE_IR:
+            if config.SAVE_IR or config.DEBUG:  # dumps and recompile reports name the user's lines
                 note_origin(node)
 
     def write(self, value):
@@ -43,7 +43,7 @@ class Storage:
         self.version += 1
         if value[0].results[value[1]] is None:
             track(self)
-            if config.SAVE_IR:
+            if config.SAVE_IR or config.DEBUG:
                 note_origin(value[0])
 
     def rebind(self):
@@ -114,7 +114,8 @@ _internal = None
 
 
 def note_origin(node):
-    """Remember the user's frames that produced `node` (for RATEX_SAVE_IR dumps)."""
+    """Remember the user's frames that produced `node` (for RATEX_SAVE_IR dumps and RATEX_DEBUG
+    reports)."""
     internal = _internal_dirs()
     frames = [f for f in traceback.extract_stack(limit=40)[:-2] if not f.filename.startswith(internal)]
     node.origin = [f"{f.filename}:{f.lineno} in {f.name}" for f in frames[-3:]]

@@ -8,7 +8,7 @@ import warnings
 
 import tvm_lowering
 from .. import config
-from . import launch, metrics, storage, tensor
+from . import explain, launch, metrics, storage, tensor
 from .launch import ExecutionError, Pending, resolve  # noqa: F401  (the sync API)
 from .executor import CACHE, cache_key, compile_graph, load_program
 from .graph import cut
@@ -97,6 +97,7 @@ def _execute(values: list, written, aliasing: bool):
             launch.drain()  # no compiling or loading while a program runs: TVM's codegen isn't safe next to it
         if program is None and (program := load_program(graph, key, donate, aliasing)) is not None:
             CACHE.put(key, program)  # from the persistent cache (RATEX_CACHE_DIR)
+            explain.compiled(graph, "loaded")
         elif program is None:
             stuck = [n for n in graph.nodes if n.key in unlowerable or not tvm_lowering.has_rule(op_name(n.op))]
             if stuck:  # e.g. a view op without a rule: compute it eagerly, then cut again
@@ -125,6 +126,7 @@ def _execute(values: list, written, aliasing: bool):
                 continue
             metrics.counter_inc("UncachedCompile")
             CACHE.put(key, program)
+            explain.compiled(graph)
         else:
             metrics.counter_inc("CachedCompile")
         inputs = [node.results[idx] for node, idx in graph.leaves]
@@ -132,7 +134,7 @@ def _execute(values: list, written, aliasing: bool):
             program.empty = any(0 in node.metas[idx].shape for node, idx in graph.leaves)
         if program.label is None:  # for error messages; naming it hashes the whole key again
             program.label = f"graph {_label(graph)} ({len(graph.nodes)} ops)"
-        job = launch.Job(program, inputs, roots, program.label)
+        job = launch.Job(program, inputs, roots, program.label, graph.nodes)
         if donate:
             job.forget_rollback([graph.leaves[i] for i, _ in donate])
         for (node, idx), pending in zip(roots, job.pendings):

@@ -42,6 +42,9 @@ class LazyTensor(torch.Tensor):
         _counts["CreateLazyTensor"] += 1
         return t
 
+    def __del__(self, _counts=metrics.counts):  # bound here: module globals may be gone at exit
+        _counts["DestroyLazyTensor"] += 1
+
     # ---- construction -------------------------------------------------
     @classmethod
     def from_value(cls, value, stride=None, offset=0):
@@ -80,7 +83,7 @@ class LazyTensor(torch.Tensor):
             if not self._chain:
                 self._st.rebind()
         node, idx = value
-        return launch.resolve(node.results[idx])
+        return launch.read(node.results[idx])
 
     def _to_cpu(self) -> torch.Tensor:
         return backend().download(self._device_data())

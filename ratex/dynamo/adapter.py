@@ -14,7 +14,7 @@ import torch
 
 import tvm_lowering
 from .. import config, process
-from ..core import executor, kernels, launch, metrics, progress
+from ..core import bounds, executor, kernels, launch, metrics, progress
 from ..core.tracing import random
 from ..version import __version__
 
@@ -107,11 +107,28 @@ def build(mod, kind: str, cuda_arch: str, donate: tuple, label: str, key, ops: i
 
 
 def lower(graph, kind: str):
-    """Return the Relax module of fx `graph` for `kind` (raises tvm_lowering.LoweringError)."""
+    """Return the Relax module of fx `graph` for `kind` (raises tvm_lowering.LoweringError); where
+    it indexes with tensors, its last output holds the index checks (see `check_indices`)."""
     opts = options(kind)
     with metrics.timed("LowerTime"):
         return tvm_lowering.import_graph(graph, library=opts.library, host_kernels=target(kind).host_kernels,
-                                         library_min_macs=opts.library_min_macs)
+                                         library_min_macs=opts.library_min_macs, checks=[])
+
+
+def check_indices(rows: torch.Tensor, nodes: list):
+    """Raise IndexError (ratex's IndexOutOfRange) where the check rows `rows` that a program
+    returned found an index out of range, naming the op among fx `nodes` (a node's position is
+    its meta[SITE]) and the user's line that dynamo recorded for it."""
+    def describe(site, sub):
+        node = nodes[site] if 0 <= site < len(nodes) else None
+        if node is None:
+            return "an indexing op", "at an unknown line"
+        frames = [ln.strip() for ln in (node.meta.get("stack_trace") or "").splitlines() if ln.strip().startswith("File ")]
+        return str(node.target), frames[-1] if frames else "at an unknown line"
+
+    text = bounds.message(rows.cpu().numpy(), describe)
+    if text is not None:
+        raise launch.IndexOutOfRange(text, f"ratex: {text}")
 
 
 def saving_ir() -> bool:

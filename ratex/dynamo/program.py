@@ -17,6 +17,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from tvm import relax
 
 import tvm_lowering
+from tvm_lowering.ops.bounds import SITE
 from . import adapter, graphs, partition
 
 _perf = time.perf_counter
@@ -29,11 +30,15 @@ class Region:
 
     TVM's FFI takes torch tensors and returns torch tensors, sharing memory by DLPack in C.
     Inputs must be compact: a non-contiguous one is copied first. Outputs that share a buffer
-    where torch's ops would not have are copied (see `_find_shared`).
+    where torch's ops would not have are copied (see `_find_shared`). A program that indexes
+    with tensors returns its index checks after the `n_outs` outputs: an index out of range
+    raises IndexError here, naming its op among `nodes` (the region's, by position).
     """
 
-    def __init__(self, fn, empty: tuple, constant: tuple, may_share, name: str, host=((), (), None)):
+    def __init__(self, fn, empty: tuple, constant: tuple, may_share, name: str, host=((), (), None), n_outs=None,
+                 nodes=()):
         self.fn = fn
+        self.n_outs, self.nodes = n_outs, nodes
         self.empty = empty  # input positions without elements (TVM may not take their DLPack strides as compact)
         # (inputs to move to the device, outputs to move back, the device): CPU scalars in a CUDA
         # graph (Adam's step count, the dropout seeds), which a CUDA program cannot read in place
@@ -60,6 +65,8 @@ class Region:
             self.convert = any(type(o) is not torch.Tensor for o in outs)
         if self.convert:
             outs = [o if type(o) is torch.Tensor else torch.from_dlpack(o) for o in outs]
+        if self.n_outs is not None and len(outs) > self.n_outs:
+            adapter.check_indices(outs.pop(), self.nodes)
         if self.copy is None:
             self.copy = self._find_shared(xs, outs)
         for j in self.copy:
@@ -189,7 +196,7 @@ class CompiledGraph:
             host = (tuple(k for k, a in enumerate(inputs) if on_host(a)),
                     tuple(j for j, o in enumerate(outputs) if _device_of(o) == "cpu"), torch.device("cuda", index))
         return Region(fn, _empty_inputs(inputs), _constant_outputs(sub), _sharing(inputs, outputs, pairs),
-                      f"ratex_{self.role}", host)
+                      f"ratex_{self.role}", host, len(outputs), nodes)
 
     def _program(self, sub, key, kind, arch, donate, back, ops):
         cache = adapter.memory_cache()
@@ -252,13 +259,15 @@ def prepare(gm: fx.GraphModule, sizes_of=None) -> tuple:
 
 def region_graph(nodes: list, inputs: list, outputs: list) -> tuple:
     """Return (graph, back): a region as an fx graph of its own, with a placeholder per input
-    and a tuple output, and the map from its nodes back to the original ones."""
+    and a tuple output, and the map from its nodes back to the original ones. A node's position
+    in `nodes` is its meta[SITE], by which the program's index checks name it."""
     sub, back, env = fx.Graph(), {}, {}
     for i, a in enumerate(inputs):
         p = env[a] = sub.placeholder(f"in{i}")
         p.meta["val"] = a.meta["val"]
-    for n in nodes:
+    for k, n in enumerate(nodes):
         env[n] = sub.node_copy(n, lambda a: env[a])
+        env[n].meta[SITE] = k
         back[env[n]] = n
     sub.output(tuple(env[o] for o in outputs))
     return sub, back

@@ -5,7 +5,8 @@ A rule is `fn(importer, node) -> relax.Expr`, registered by ATen overload name
 precedence over the ones inherited from `tvm.relax.frontend.torch`.
 scripts/conformance.py checks them against CPU PyTorch on OpInfo's samples.
 
-One module per op family, helpers they share in `kit`:
+One module per op family, helpers they share in `kit`, and in `bounds` the index checks of
+every rule that reads or writes at indices held in a tensor:
 
   elementwise  arithmetic and comparisons, clamps, casts, math functions
   reductions   sums, means, var/std, max/min and arg forms, norms, scans

@@ -8,6 +8,7 @@ from torch import fx
 from tvm import relax, te, tirx
 
 from .. import pool_grad
+from . import bounds
 from .kit import (arg, cast, dtype, emit, emit_te, env, nll_pick, out_meta, pair, pool_window, scalar, scatter_into,
                   shape, to_dtype, tuple_out, zeros)
 from .registry import rule
@@ -470,6 +471,7 @@ def embedding_dense_backward(imp, node):
     if padding_idx is not None and padding_idx >= 0:
         keep = op.expand_dims(op.not_equal(flat, relax.const(padding_idx, "int64")), -1)
         rows = emit(imp, op.where(keep, rows, op.zeros_like(rows)))
+    flat = bounds.index(imp, flat, num_weights)
     if by_freq:
         # PyTorch scales each row by 1 / count converted to the gradient's dtype (counted in float32:
         # a bfloat16 count is exact only up to 256)

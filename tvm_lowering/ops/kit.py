@@ -11,6 +11,7 @@ from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as T
 
 from ..dtypes import to_tvm
+from . import bounds
 
 
 # ---- fx node arguments and Relax values -------------------------------------------------------
@@ -205,8 +206,9 @@ def nll_pick(imp, node_args, n_classes_axis=1):
     tgt = cast(imp, target, "int64")
     valid = emit(imp, relax.op.not_equal(tgt, relax.const(ignore_index, "int64")))
     safe = emit(imp, relax.op.where(valid, tgt, relax.const(0, "int64")))
+    bounds.record(imp, safe, C, n_classes_axis if len(xs) > 1 else 0)  # PyTorch: "Target 70 is out of bounds"
     if weight is not None:
-        w_t = emit(imp, relax.op.take(weight, safe, axis=0))
+        w_t = emit(imp, relax.op.take(weight, safe, axis=0, mode="clip"))
     else:
         w_t = emit(imp, relax.op.ones_like(cast(imp, safe, dt)))
     w_t = emit(imp, relax.op.where(valid, w_t, relax.const(0, dt)))

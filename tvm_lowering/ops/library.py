@@ -1,9 +1,8 @@
 """Library dispatch: heavy ops (matmul, conv and its gradients) as calls to a kernel library.
 
-TVM's untuned LLVM code for these is 10-100x slower than vendor kernels on
+TVM's untuned LLVM code for these is far slower than vendor kernels on
 CPU; so is its code for softmax, log_softmax and GELU and their gradients
-(measured: 8-10x and 30x slower than torch's vectorized kernels on this CPU,
-exp and erf being scalar libm calls), which go through the generic
+(exp and erf being scalar libm calls where torch's kernels vectorize), which go through the generic
 `ratex.lib.aten` call. With `importer.library` set (`import_graph(library=True)`), these rules
 emit `call_pure_packed("ratex.lib.<op>", ...)` instead. The runtime side registers those packed
 functions: ratex/core/kernels.py in Python (PyTorch's own kernels through zero-copy DLPack),
@@ -39,7 +38,7 @@ def _operand(imp, x):
     """Relax value of matmul operand `x` and whether it is a folded transpose.
 
     Chains of t() fold too: autograd of `linear` gives mm(g, t(t(W))), whose inner
-    transpose would otherwise run as a kernel (4-5 ms for a 1024x1024 weight)."""
+    transpose would otherwise run as a kernel (a full copy of a 1024x1024 weight)."""
     transposed = False
     while x.op == "call_function" and x.target.__name__ == aten_t and len(x.args[0].meta["val"].shape) == 2:
         x, transposed = x.args[0], not transposed
@@ -49,7 +48,7 @@ def _operand(imp, x):
 def _batched_operand(imp, x):
     """Relax value of bmm operand `x` and whether it is a folded swap of its last two axes
     (the backward of attention multiplies by k.transpose(1, 2) and v.transpose(1, 2):
-    each was a 32x128x64 transpose kernel of 0.5-1 ms in the GPT benchmark)."""
+    each would be a 32x128x64 transpose kernel in the GPT benchmark)."""
     transposed = False
     while x.op == "call_function" and x.target.__name__ == "transpose.int" and \
             sorted(d % 3 for d in x.args[1:3]) == [1, 2] and len(x.args[0].meta["val"].shape) == 3:
@@ -66,7 +65,7 @@ def _call_out(imp, name, args, attrs, ty):
 
     Relax plans that buffer with the program's other intermediates, and the VM's pool
     reuses it every run. A tensor PyTorch allocates afresh costs page faults instead
-    when it is large: the MLP's matmuls ran 1.5x slower inside a training step than alone.
+    when it is large: the MLP's matmuls would run slower inside a training step than alone.
     """
     return imp.block_builder.emit(out_call(name, args, attrs, ty))
 

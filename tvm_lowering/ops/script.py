@@ -4,11 +4,12 @@ The node's first argument is the key under which `register` holds a
 `tvm_lowering.torchscript.Script`; the rule inlines that script's Relax function
 into the program being built, so fusion and common-subexpression elimination see
 across the call (the forward recomputed by the backward is the same expression as
-the forward).
+the forward). The forward's index checks become the program's, reported under the node.
 """
 from tvm import relax
 
 from ..inline import inline
+from . import bounds
 from .registry import rule
 
 _scripts = {}  # key -> Script
@@ -34,7 +35,12 @@ def _inline(importer, node, which):
 @rule("script_fwd.default")
 def _script_fwd(importer, node):
     out = _inline(importer, node, "fwd")
-    return importer.block_builder.emit(out) if not isinstance(out, relax.Var) else out
+    out = importer.block_builder.emit(out) if not isinstance(out, relax.Var) else out
+    script = lookup(node.args[0])
+    if script.checks:  # the forward's last output, after the model's outputs and new buffers
+        rows = importer.block_builder.emit(relax.TupleGetItem(out, len(script.out_metas)))
+        bounds.nest(importer, rows, script.checks)
+    return out
 
 
 @rule("script_bwd.default")

@@ -12,10 +12,12 @@ directly rather than through torch's dispatcher again (a round trip per op).
 """
 import torch
 
+from ..shape import contiguous_strides
 from ..tensor import LazyTensor
 from . import registry
 from .capture import Value, arg_sig, is_arg_tensor, is_value_arg
 from .record import float_scalar_dtype, functional, liftable, scalar_input, value_op
+from .eager import run as eager
 from .registry import DECOMPOSITION, register
 
 aten = torch.ops.aten
@@ -33,7 +35,7 @@ def _add_alpha(func):
     def decomp(a, b, *, alpha=1, last=_call):
         if alpha == 1 or not is_arg_tensor(b):
             return NotImplemented
-        if liftable(alpha) and is_value_arg(a) and is_value_arg(b):
+        if liftable(alpha) and _dense(a) and _dense(b):
             # One node, a + b * alpha (addcmul's rule), as PyTorch computes it: in the result's dtype
             # (float32 for float16/bfloat16), alpha rounded to it, b not first multiplied in its own
             # dtype (Muon adds a bfloat16 update to a float32 parameter with alpha = -lr).
@@ -47,6 +49,15 @@ def _add_alpha(func):
         return last(func, a, value_op(aten.mul.Tensor, b, alpha))
 
     return decomp
+
+
+def _dense(x) -> bool:
+    """Whether `x` is a lazy tensor or IR value laid out row-major: a one-node result is
+    built contiguous, where PyTorch's follows its inputs' layout (a.t() + b.t())."""
+    if not is_value_arg(x):
+        return False
+    shape, strides, _ = arg_sig(x)
+    return tuple(strides) == tuple(contiguous_strides(shape))
 
 
 register(aten.add.Tensor, tier=DECOMPOSITION)(_add_alpha(aten.add.Tensor))
@@ -171,3 +182,11 @@ def _safe_softmax(x, dim, dtype=None):
     out = aten._softmax.default(x if dtype is None else aten._to_copy.default(x, dtype=dtype), dim, False)
     masked = aten.eq.Scalar(aten.amax.default(x, [dim], True), float("-inf"))
     return aten.where.self(masked, functional(aten.zeros_like.default, (out,), {}), out)
+
+
+
+@register(aten.multilabel_margin_loss_forward.default, tier=DECOMPOSITION)
+def _multilabel_margin_loss(x, target, reduction):
+    """Run on CPU PyTorch: torch._decomp's decomposition of this op gives wrong losses (a 1-d
+    input's elements read as the batch; sums that differ from ATen's for 2-d inputs too)."""
+    return eager(aten.multilabel_margin_loss_forward.default, (x, target, reduction), {})

@@ -1,0 +1,1 @@
+"""Utilities of the lazy device, as in torch_xla.utils."""
