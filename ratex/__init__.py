@@ -20,6 +20,7 @@ from . import jit  # noqa: E402  (ratex.jit.script)
 from . import debug, profiler  # noqa: E402,F401  (ratex.profiler.Profiler, RATEX_PROFILE, ratex.debug.graph_text)
 from . import amp, data  # noqa: E402,F401  (ratex.amp.autocast, ratex.data.DeviceLoader)
 from .dynamo import compile  # noqa: E402  (torch.compile(backend="ratex"); registers the backend)
+from . import distributed  # noqa: E402,F401  (lm.all_reduce & co; torch.distributed's calls on lazy tensors)
 from .version import __version__  # noqa: E402
 
 process.drive_torch_lazy(lazy_model, metrics)

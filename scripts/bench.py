@@ -4,6 +4,7 @@
     .venv/bin/python scripts/bench.py --models lenet-b1,mlp-b128 --steps 10
     .venv/bin/python scripts/bench.py --steps 45 --json bench.json
     python scripts/bench.py --device gpu                    # on CUDA: eager, compile, ratex with RATEX_DEVICE=GPU
+    .venv/bin/python scripts/bench.py --nproc 2             # data parallel: ms/step and all-reduce ms/step (bench_dist.py)
 
 Each (model, system) cell trains the model for --steps steps in a fresh
 subprocess (zero_grad, forward, loss, backward, optimizer step; synthetic data
@@ -96,6 +97,7 @@ SYSTEMS = ["eager", "compile", "torch_lazy", "ratex_lazy", "ratex_script", "rate
 DEFAULT_SYSTEMS = [s for s in SYSTEMS if s != "ratex_amp"]
 AMP_TOLERANCE = 0.02  # a bfloat16 autocast run's final loss, relative to float32's
 MODELS = ["lenet-b1", "lenet-b64", "mnist-b64", "mlp-b128", "gpt2l-b8"]
+DIST_MODELS = ["gpt2l-b8", "mlp-b128"]  # --nproc: the models whose gradients are worth all-reducing
 LAZY_RATEX = ("ratex_lazy", "ratex_script", "ratex_amp")  # the lazy device: traced per op, a program per mark_step
 RATEX = (*LAZY_RATEX, "ratex_compile")
 MARK = "BENCH_RESULT "
@@ -547,7 +549,8 @@ def report(models, systems, cells, args):
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    p.add_argument("--models", default=",".join(MODELS), help="comma-separated: " + ",".join(MODELS))
+    p.add_argument("--models", help="comma-separated: " + ",".join(MODELS) + " (default: all; with --nproc "
+                   + ",".join(DIST_MODELS) + ")")
     p.add_argument("--systems", help="comma-separated: " + ",".join(SYSTEMS) + " (default: all but ratex_amp; "
                    "with --device gpu also not torch_lazy)")
     p.add_argument("--device", choices=("cpu", "gpu"), default="cpu",
@@ -566,14 +569,24 @@ def main():
     p.add_argument("--verbose", action="store_true", help="print failing cells' stderr")
     p.add_argument("--serial", action="store_true",
                    help="wait for each step's program before the next step starts (no overlap of tracing and execution)")
+    p.add_argument("--nproc", type=int, default=1,
+                   help="N > 1: ratex data-parallel over N torch.distributed ranks against one process "
+                        "(ms/step and all-reduce ms/step; scripts/bench_dist.py)")
     p.add_argument("--cell", nargs=2, metavar=("MODEL", "SYSTEM"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.steps < args.warmup + 2:
         p.error(f"--steps must be at least --warmup + 2 = {args.warmup + 2}")
     if args.cell:
         return cell_main(args)
+    if args.nproc > 1:
+        import bench_dist
 
-    models = [m for m in args.models.split(",") if m]
+        models = [m for m in (args.models or ",".join(DIST_MODELS)).split(",") if m]
+        if [m for m in models if m not in MODELS]:
+            p.error(f"unknown model: {', '.join(m for m in models if m not in MODELS)}")
+        return bench_dist.run(models, args.nproc, args.steps, args.warmup, args.timeout)
+
+    models = [m for m in (args.models or ",".join(MODELS)).split(",") if m]
     gpu_systems = [s for s in DEFAULT_SYSTEMS if s != "torch_lazy"]
     systems = [s for s in (args.systems or ",".join(gpu_systems if args.device == "gpu" else DEFAULT_SYSTEMS)).split(",")
                if s]

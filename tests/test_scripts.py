@@ -54,7 +54,8 @@ def test_tune_times_a_configuration_through_bench():
 
 
 @pytest.mark.parametrize("argv,says", [(["--steps", "2"], "--steps must be at least"),
-                                       (["--models", "resnet"], "unknown model/system: resnet")])
+                                       (["--models", "resnet"], "unknown model/system: resnet"),
+                                       (["--nproc", "2", "--models", "resnet"], "unknown model: resnet")])
 def test_bench_refuses_bad_arguments(argv, says):
     out = subprocess.run([sys.executable, os.path.join(SCRIPTS, "bench.py"), *argv], capture_output=True, text=True,
                          timeout=120)

@@ -2,6 +2,7 @@
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from ... import distributed
 from ...core import sync
 from ...core.tensor import check_device, is_lazy
 
@@ -74,17 +75,25 @@ def save(data, file_or_path):
     torch.save(to_cpu(data), file_or_path)
 
 
-def reduce_gradients(optimizer):
-    """Sum the gradients of `optimizer`'s parameters across replicas; returns None. One lazy
-    device has no replicas: this is where the all-reduce of distributed training goes."""
-    return None
+# Data parallelism through torch.distributed (ratex/distributed.py).
+REDUCE_SUM, REDUCE_MUL, REDUCE_MIN, REDUCE_MAX = (
+    distributed.REDUCE_SUM, distributed.REDUCE_MUL, distributed.REDUCE_MIN, distributed.REDUCE_MAX)
+all_reduce = distributed.all_reduce
+all_gather = distributed.all_gather
+reduce_scatter = distributed.reduce_scatter
+reduce_gradients = distributed.reduce_gradients  # averages across ranks; nothing to do in a world of one
+xrt_world_size = distributed.world_size
+get_ordinal = distributed.rank
 
 
-def optimizer_step(optimizer, barrier: bool = False, optimizer_args=None):
-    """Run `optimizer.step(**optimizer_args)` after reducing gradients across replicas, and
-    `mark_step()` after it where `barrier` (a DeviceLoader marks steps itself); return what
-    step returned, as torch_xla's xm.optimizer_step."""
-    reduce_gradients(optimizer)
+def optimizer_step(optimizer, barrier: bool = False, optimizer_args=None, groups=None):
+    """Run `optimizer.step(**optimizer_args)` after averaging the gradients across ranks
+    (`reduce_gradients`, over `groups`), and `mark_step()` after it where `barrier` (a
+    DeviceLoader marks steps itself); return what step returned, as torch_xla's xm.optimizer_step."""
+    if groups is None:
+        reduce_gradients(optimizer)
+    else:
+        reduce_gradients(optimizer, groups=groups)
     loss = optimizer.step(**(optimizer_args or {}))
     if barrier:
         mark_step()
@@ -92,4 +101,5 @@ def optimizer_step(optimizer, barrier: bool = False, optimizer_args=None):
 
 
 __all__ = ["lazy_device", "mark_step", "add_step_closure", "wait_device_ops", "is_lazy_tensor", "sync_tensors",
-           "to_cpu", "save", "optimizer_step", "reduce_gradients"]
+           "to_cpu", "save", "optimizer_step", "reduce_gradients", "all_reduce", "all_gather", "reduce_scatter",
+           "xrt_world_size", "get_ordinal"]
