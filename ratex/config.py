@@ -72,6 +72,13 @@ def _tune_trials() -> int:
     return trials
 
 
+def _log_level():
+    """RATEX_LOG_LEVEL: the level of the "ratex" logger, which then prints to stderr (DEBUG shows
+    TVM's compile warnings); None where unset or empty."""
+    raw = os.environ.get("RATEX_LOG_LEVEL", "")
+    return _choice("RATEX_LOG_LEVEL", raw, ("DEBUG", "INFO", "WARNING", "ERROR")) if raw.strip() else None
+
+
 def _cuda_graph() -> bool:
     """RATEX_CUDA_GRAPH: programs replay CUDA graphs, on a target that has them."""
     on = _flag("RATEX_CUDA_GRAPH", False)
@@ -117,6 +124,7 @@ TUNE = _tune_trials()  # 0: apply existing tuning records only
 
 # ---- debugging ------------------------------------------------------------------------------
 PROFILE = _flag("RATEX_PROFILE", False)
+LOG_LEVEL = _log_level()
 SAVE_IR = os.environ.get("RATEX_SAVE_IR") or None
 # Each compile after the first prints why it compiled (ratex/core/explain.py): torch_xla's PT_XLA_DEBUG.
 DEBUG = _flag("RATEX_DEBUG", False)

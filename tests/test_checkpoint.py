@@ -158,9 +158,6 @@ def test_a_training_run_resumed_in_a_fresh_process_goes_on_unchanged(dev, tmp_pa
     assert compiles[0] > 0 and compiles[1:] == [compiles[0]] * (MORE - 1), f"compiled after the first step: {compiles}"
 
 
-@pytest.mark.xfail(reason="lazy tensors pickle as plain CPU tensors once issue 21's LazyTensor.__reduce_ex__ "
-                          "lands; until then torch.load(weights_only=True) refuses ratex's rebuild function",
-                   strict=False)
 def test_torch_save_of_lazy_tensors_loads_with_weights_only(dev, tmp_path):
     x = torch.arange(4.0).to(dev) * 3
     torch.save({"x": x}, tmp_path / "x.pt")

@@ -106,6 +106,30 @@ def test_bad_ratex_device_fails_at_import():
     assert "RATEX_DEVICE='TPU'" in proc.stderr and "CPU, GPU" in proc.stderr
 
 
+_OTHER_INDEX = {
+    "factory": lambda t: torch.ones(2, device="lazy:1"),
+    "random factory": lambda t: torch.randn(2, device=torch.device("lazy", 1)),
+    "tensor": lambda t: torch.tensor([1.0, 2.0], device="lazy:1"),
+    "arange": lambda t: torch.arange(3, device="lazy:1"),
+    "like": lambda t: torch.zeros_like(t, device="lazy:1"),
+    "random like": lambda t: torch.rand_like(t, device="lazy:1"),
+    "new_": lambda t: t.new_ones(2, device="lazy:1"),
+    "cpu to": lambda t: torch.ones(2).to("lazy:1"),
+    "lazy to": lambda t: t.to("lazy:1"),
+    "lazy to with dtype": lambda t: t.to("lazy:1", torch.float64),
+    "module to": lambda t: torch.nn.Linear(2, 2).to("lazy:1"),
+    "lazy_device": lambda t: lm.lazy_device(1),
+}
+
+
+@pytest.mark.parametrize("how", list(_OTHER_INDEX))
+def test_a_lazy_device_index_other_than_0_raises_everywhere(dev, how):
+    t = torch.ones(2, device=dev)
+    with pytest.raises(ValueError, match=r"lazy device index 1 .*does not exist; ratex has one lazy device"):
+        _OTHER_INDEX[how](t)
+    assert torch.ones(2, device="lazy:0").device == dev and t.to("lazy:0") is t
+
+
 def test_factories_and_indexing_with_python_and_cpu_indices(dev):
     t = torch.tensor([[1.0, 2.0, 3.0]], device=dev)
     assert t.device == dev

@@ -16,7 +16,7 @@ CORE = ROOT / "ratex" / "core"
 # Bottom to top: a module imports modules of its own layer or of those below, never above
 # (ratex/core/__init__.py describes them). `tracing` is the package and all its modules.
 LAYERS = (
-    ("ir", ("metrics", "progress", "ir", "shape", "graph", "render")),
+    ("ir", ("metrics", "progress", "tvm_log", "ir", "shape", "graph", "render")),
     ("runtime", ("device", "kernels", "bounds", "launch", "executor")),
     ("tensor", ("storage", "chain", "tensor")),
     ("tracing", ("tracing",)),

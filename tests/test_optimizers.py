@@ -210,6 +210,45 @@ def test_muon_matches_cpu_in_tvm_kernels(dev, config):
     _muon_matches_cpu(dev, config)
 
 
+def test_lbfgs_matches_cpu_and_its_reads_do_not_grow_the_graph(dev):
+    """LBFGS evaluates its closure several times a step and reads values (the loss, alpha=tensor,
+    its line-search conditions) between writes of the parameters: each read computes what the
+    writes since the last one left pending, so the graph a read compiles does not grow with every
+    evaluation, the steps compile the same programs again, and the results match CPU."""
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    model = copy.deepcopy(ref).to(dev)
+    x, y = torch.randn(16, 4), torch.randn(16, 1)
+
+    def train(m, xs, ys):
+        opt = torch.optim.LBFGS(m.parameters(), lr=0.5, max_iter=4, history_size=3)
+        losses, compiles = [], []
+
+        def closure():
+            opt.zero_grad()
+            loss = F.mse_loss(m(xs), ys)
+            loss.backward()
+            return loss
+
+        for _ in range(5):
+            before = metrics.counter_value("UncachedCompile") or 0
+            losses.append(opt.step(closure).item())
+            if xs.device == dev:
+                lm.mark_step()
+            compiles.append((metrics.counter_value("UncachedCompile") or 0) - before)
+        return losses, compiles
+
+    want, _ = train(ref, x, y)
+    got, compiles = train(model, x.to(dev), y.to(dev))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.cpu(), q.detach(), rtol=1e-4, atol=1e-5)
+    # Once the history is full, a step compiles at most the one program whose step size (a value
+    # LBFGS reads and passes back as a Python number) is new.
+    assert all(c <= 1 for c in compiles[2:]), compiles
+    assert not [c for c in metrics.counter_names() if c.startswith("aten::")]
+
+
 # Lists the recorded foreach route takes only in part: each element that doesn't fit (another
 # dtype, a broadcast operand, an int tensor, a non-contiguous operand of an out-of-place op)
 # takes the per-element route, in list order, and every element still equals CPU's.

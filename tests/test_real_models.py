@@ -33,8 +33,6 @@ VOCAB, SEQ, BATCH = 64, 8, 2
 ALL = os.environ.get("RATEX_REAL_MODELS") == "all"
 slow = pytest.mark.skipif(not ALL, reason="slow to compile: run with RATEX_REAL_MODELS=all")
 
-TIED = ("tied weights come apart: model.to('lazy') replaces each Parameter, so the LM head's weight "
-        "and the input embedding become two parameters (issue 21)")
 
 
 def _gpt2(tied=True):
@@ -152,14 +150,12 @@ def test_hf_untied_trains_like_cpu(dev, name):
     _check(lambda: HF[name](tied=False), _hf_batches(), _hf_loss, dev, runs=RUNS[name], first_compiles=RUNS[name])
 
 
-@pytest.mark.xfail(strict=True, reason=TIED)
 @pytest.mark.parametrize("name", HF)
 def test_hf_tied_trains_like_cpu(dev, name):
     """As configured (the LM head's weight is the word embedding), the model matches CPU."""
     _check(HF[name], _hf_batches(), _hf_loss, dev, runs=RUNS[name], first_compiles=RUNS[name])
 
 
-@pytest.mark.xfail(strict=True, reason=TIED)
 def test_hf_tied_weights_stay_one_parameter(dev):
     """`.to('lazy')` keeps GPT-2's lm_head.weight the same tensor as transformer.wte.weight, as `.to('cuda')` does."""
     model = _gpt2().to(dev)
@@ -223,12 +219,10 @@ SEQ2SEQ = {"t5": _t5, "bart": _bart}
 # The padding mask read into Python (masking_utils, as for GPT-2 and BERT): twice a step in T5,
 # three times in BART, so each step runs one program more than that, all compiled at the first step.
 SEQ2SEQ_RUNS = {"t5": 3, "bart": 4}
-T5_SHARED = ("tied weights come apart: T5's encoder and decoder embed with one `shared` embedding even "
-             "with untied LM head, and model.to('lazy') makes it three parameters (issue 21)")
 
 
 @slow
-@pytest.mark.parametrize("name", [pytest.param("t5", marks=pytest.mark.xfail(strict=True, reason=T5_SHARED)), "bart"])
+@pytest.mark.parametrize("name", SEQ2SEQ)
 def test_seq2seq_untied_trains_like_cpu(dev, name):
     """T5 and BART with an untied LM head, trained as a user trains them, match CPU."""
     runs = SEQ2SEQ_RUNS[name]
@@ -236,7 +230,6 @@ def test_seq2seq_untied_trains_like_cpu(dev, name):
 
 
 @slow
-@pytest.mark.xfail(strict=True, reason=TIED)
 @pytest.mark.parametrize("name", SEQ2SEQ)
 def test_seq2seq_tied_trains_like_cpu(dev, name):
     """T5 and BART as configured (LM head tied to the shared embedding) match CPU."""

@@ -14,7 +14,7 @@ from tvm_lowering import disk_cache
 from .. import config, process
 from ..version import __version__
 from . import kernels  # noqa: F401  (registers the ratex.lib.* kernel library)
-from . import metrics, progress
+from . import metrics, progress, tvm_log
 from .device import backend
 from .launch import Pending
 from .graph import Graph, to_fx
@@ -182,7 +182,7 @@ def compile_graph(graph: Graph, key, donate=(), aliasing: bool = False) -> Progr
     `donate`: (leaf, root) index pairs where the root is the new value of the
     leaf's tensor, so the update may be written into the leaf's buffer.
     """
-    with progress.compiling(f"a graph of {len(graph.nodes)} ops"):
+    with progress.compiling(f"a graph of {len(graph.nodes)} ops"), tvm_log.captured():
         return _compile(graph, key, tuple(donate), aliasing)
 
 

@@ -15,7 +15,7 @@ from .graph import cut
 from .ir import Node, op_name
 from .storage import pending_storages  # noqa: F401  (the sync API)
 from .tracing import eager
-from .tracing.eager import unlowerable
+from .tracing.eager import is_unlowerable, mark_unlowerable, unlowerable
 
 _depth = 0  # execute() nests (eager fallbacks); only the outermost call is a "Sync" span
 
@@ -35,9 +35,32 @@ def execute(values: list, written=()):
     _depth += 1
     try:
         with metrics.span("Sync"):
-            return _execute(values, written, aliasing)
+            if written:
+                return _execute(values, written, aliasing)
+            return _read(values, aliasing)
     finally:
         _depth -= 1
+
+
+def _read(values: list, aliasing: bool):
+    """Compute `values`, read before mark_step, together with the new values of tensors written
+    in place that they are computed from, and keep both.
+
+    Those values are computed anyway; kept, the next read starts from them. Dropped, every
+    read would compute again the whole chain of writes since the last mark_step: a loop
+    that writes parameters and reads a loss from them (LBFGS's line search, its closure
+    evaluated a few times a step) compiles a new, longer graph at every read."""
+    written = [st for st in storage.pending_storages() if st.version]
+    roots = [v for v in values if v[0].results[v[1]] is None]
+    if written and roots:
+        inside = frozenset(cut(roots).nodes)
+        written = [st for st in written if st.value[0] in inside]
+        if written:
+            _execute(values + [st.value for st in written], (), aliasing)
+            for st in written:
+                st.rebind()
+            return
+    _execute(values, (), aliasing)
 
 
 def donations(graph, written) -> tuple:
@@ -99,7 +122,8 @@ def _execute(values: list, written, aliasing: bool):
             CACHE.put(key, program)  # from the persistent cache (RATEX_CACHE_DIR)
             explain.compiled(graph, "loaded")
         elif program is None:
-            stuck = [n for n in graph.nodes if n.key in unlowerable or not tvm_lowering.has_rule(op_name(n.op))]
+            stuck = [n for n in graph.nodes
+                     if (unlowerable and is_unlowerable(n)) or not tvm_lowering.has_rule(op_name(n.op))]
             if stuck:  # e.g. a view op without a rule: compute it eagerly, then cut again
                 for node in stuck:
                     run_eagerly(node)
@@ -107,20 +131,21 @@ def _execute(values: list, written, aliasing: bool):
             try:
                 program = compile_graph(graph, key, donate, aliasing)
             except tvm_lowering.LoweringError as err:
+                metrics.counter_inc("FailedCompile")
                 node = err.node.meta.get("ratex_node")
                 if node is None:
                     raise
-                unlowerable.add(node.key)
+                mark_unlowerable(node)
                 _warn_once(node, err)
                 run_eagerly(node)
                 continue  # the failed node is data now; cut again
             except Exception as err:  # noqa: BLE001 - a TVM pass failed on some node
-                if len(graph.nodes) > 1:  # find it: compile the nodes one at a time
-                    for node in graph.nodes:
-                        execute([(node, i) for i, m in enumerate(node.metas) if m is not None])
+                metrics.counter_inc("FailedCompile")
+                if len(graph.nodes) > 1:
+                    _bisect(graph.nodes)
                     continue
                 node = graph.nodes[0]
-                unlowerable.add(node.key)
+                mark_unlowerable(node)
                 _warn_once(node, f"compiling failed ({type(err).__name__}: {str(err)[:300]})")
                 run_eagerly(node)
                 continue
@@ -145,6 +170,17 @@ def _execute(values: list, written, aliasing: bool):
                 node.set_result(idx, pending)
         launch.launch(job)
         return
+
+
+def _bisect(nodes: list):
+    """Compute `nodes` (a graph's nodes, in order), whose program failed to compile, as two
+    programs: the first half, then the second. A half that fails too is split again, down to
+    the one node that fails alone and runs eagerly (`_execute`), so finding it costs about two
+    compiles per halving, not one per node. Each half's inputs are computed before it: nodes
+    are in order, so the first half holds the inputs of every node it holds; return None."""
+    half = len(nodes) // 2
+    for part in (nodes[:half], nodes[half:]):
+        execute([(node, i) for node in part for i, m in enumerate(node.metas) if m is not None])
 
 
 def _label(graph) -> str:

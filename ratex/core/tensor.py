@@ -10,6 +10,8 @@ Ops on lazy tensors go to the tracer (ratex/core/tracing), reads of pending valu
 to the sync layer (ratex/core/sync.py): both sit above this module and install
 their entry points here (see `install`).
 """
+import collections
+
 import torch
 from torch.utils._pytree import tree_map
 
@@ -119,6 +121,20 @@ class LazyTensor(torch.Tensor):
             )
         self._assume(new)
 
+    # The traceable-wrapper protocol (torch.utils._python_dispatch). Module._apply, given a
+    # tensor that follows it, swaps a parameter's contents for its converted copy
+    # (torch.utils.swap_tensors) instead of putting a new Parameter in each module that holds
+    # the old one: parameters tied across modules then stay one tensor on the lazy device, as
+    # `.data =` keeps them on CUDA. A lazy tensor holds no inner tensors: its value is its
+    # Storage, which the context carries.
+    def __tensor_flatten__(self):
+        return [], (self._st, self._chain, self.dtype, self.storage_offset())
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, ctx, outer_size, outer_stride):
+        storage, chain, dtype, offset = ctx
+        return LazyTensor(storage, chain, Meta(tuple(outer_size), dtype), tuple(outer_stride), offset)
+
     # ---- user-facing conveniences ---------------------------------------
     def __repr__(self, *, tensor_contents=None):
         text = repr(self._to_cpu())
@@ -140,13 +156,22 @@ class LazyTensor(torch.Tensor):
         return arr if dtype is None else arr.astype(dtype)
 
     def __reduce_ex__(self, protocol):
-        return (_rebuild_lazy, (self._to_cpu(), self.requires_grad))
+        # Pickled as the CPU tensor (or Parameter) it holds, with torch's own rebuild functions:
+        # torch.load opens the file where ratex is not imported and under weights_only, onto the
+        # CPU unless map_location names the lazy device (tracing/saved.py). The device data is
+        # shared, not copied, so aliases of one value save one storage.
+        cpu = backend().view_cpu(self._device_data()).detach()
+        if isinstance(self, torch.nn.Parameter):
+            return (torch._utils._rebuild_parameter, (cpu, self.requires_grad, collections.OrderedDict()))
+        return cpu.requires_grad_(self.requires_grad).__reduce_ex__(protocol)
 
     def __deepcopy__(self, memo):
         if id(self) in memo:
             return memo[id(self)]
         new = LazyTensor.from_cpu(self._to_cpu(), adopt=True)
-        if self.requires_grad:
+        if isinstance(self, torch.nn.Parameter):
+            new = torch.nn.Parameter(new, self.requires_grad)
+        elif self.requires_grad:
             new.requires_grad_(True)
         memo[id(self)] = new
         return new
@@ -164,9 +189,16 @@ _get_data = torch._C.TensorBase.data.__get__
 _set_data = torch._C.TensorBase.data.__set__
 
 
-def _rebuild_lazy(cpu, requires_grad):
-    t = LazyTensor.from_cpu(cpu, adopt=True)
-    return t.requires_grad_(requires_grad) if requires_grad else t
+def check_device(device) -> torch.device:
+    """Return the lazy device `device` (a torch.device or a string such as 'lazy:0') names; raise a
+    ValueError naming it where its index is not 0, since ratex has one lazy device."""
+    device = torch.device(device)
+    if device.index not in (None, 0):
+        raise ValueError(
+            f"lazy device index {device.index} ({str(device)!r}) does not exist; ratex has one lazy device: "
+            "'lazy' or 'lazy:0'"
+        )
+    return LAZY
 
 
 def is_lazy(t) -> bool:
@@ -206,6 +238,9 @@ _MOVE_ONLY = frozenset(("device", "pin_memory", "non_blocking", "layout"))
 
 def _lazy_key_kernel(op, *args, **kwargs):
     """Factories with device='lazy' and `cpu.to('lazy')`: run on CPU, keep the result as data."""
+    device = kwargs.get("device")
+    if device is not None and device.type == "lazy":
+        check_device(device)
     if op is aten._to_copy.default:
         src = args[0]
         kw = {k: v for k, v in kwargs.items() if k not in _MOVE_ONLY and not (k == "dtype" and v == src.dtype)}

@@ -14,7 +14,7 @@ import torch
 
 import tvm_lowering
 from .. import config, process
-from ..core import bounds, executor, kernels, launch, metrics, progress
+from ..core import bounds, executor, kernels, launch, metrics, progress, tvm_log
 from ..core.tracing import random
 from ..version import __version__
 
@@ -92,7 +92,7 @@ def build(mod, kind: str, cuda_arch: str, donate: tuple, label: str, key, ops: i
     launch.drain()  # no compiling while a lazy program runs: TVM's codegen isn't safe next to it
     _attach(kind, cuda_arch)
     opts = options(kind)
-    with progress.compiling(label), metrics.timed("CompileTime"):
+    with progress.compiling(label), metrics.timed("CompileTime"), tvm_log.captured():
         built = executor.CACHE.build(mod, target(kind, cuda_arch), opts, donate, on_tune=executor.tuning_progress)
     if built.donated:
         metrics.counter_inc("DonatedBuffers", len(built.donated))
@@ -110,7 +110,7 @@ def lower(graph, kind: str):
     """Return the Relax module of fx `graph` for `kind` (raises tvm_lowering.LoweringError); where
     it indexes with tensors, its last output holds the index checks (see `check_indices`)."""
     opts = options(kind)
-    with metrics.timed("LowerTime"):
+    with metrics.timed("LowerTime"), tvm_log.captured():
         return tvm_lowering.import_graph(graph, library=opts.library, host_kernels=target(kind).host_kernels,
                                          library_min_macs=opts.library_min_macs, checks=[])
 

@@ -21,7 +21,7 @@ Importing this package registers every module's handlers, decompositions and pat
 tracer of LazyTensor (tensor.install).
 """
 from .. import tensor
-from . import composite, decompose, fills, foreach, inplace, random, record, views  # noqa: F401  (they register)
+from . import composite, decompose, fills, foreach, inplace, random, record, saved, views  # noqa: F401  (they register)
 from .registry import dispatch
 
 tensor.install(dispatch=dispatch)

@@ -10,7 +10,7 @@ import torch
 from .. import ir
 from ..ir import template
 from ..shape import contiguous_strides
-from ..tensor import LazyTensor
+from ..tensor import LazyTensor, check_device
 
 aten = torch.ops.aten
 _DEVICE_KWARGS = ("device", "pin_memory")
@@ -63,6 +63,9 @@ def collect(func, args, kwargs):
             and is_value_arg(args[2]):  # addcmul(p, buf, lr)
         return TERNARY_SPEC, [arg_value(a) for a in args], tuple([arg_sig(a) for a in args])
     if any(k in kwargs for k in _DEVICE_KWARGS):
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type == "lazy":
+            check_device(device)
         kwargs = {k: v for k, v in kwargs.items() if k not in _DEVICE_KWARGS}
     found = []
     spec = (

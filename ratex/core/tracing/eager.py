@@ -4,7 +4,7 @@ Two callers, one way to do it: the tracer runs a call whose arguments are lazy
 tensors (`run`: an op with no meta kernel, no lowering rule or decomposition, or
 arguments a handler can't trace); the sync layer runs one recorded node from its
 computed inputs (`run_node`: an op whose rule failed to lower or compile, listed in
-`unlowerable` so that later calls run eagerly from the start). Either way the
+`unlowerable` so that later calls like it run eagerly from the start). Either way the
 counter `aten::<op>` goes up and the results are copies the device owns.
 """
 import torch
@@ -17,9 +17,28 @@ from ..tensor import LazyTensor
 from .capture import Value
 from .schema import written
 
-# Keys of nodes whose lowering rule failed: ops that run eagerly from now on. The sync
-# layer adds to it; the tracer reads it per node. Never rebound (modules hold the set itself).
-unlowerable = set()
+# Ops whose rule failed to lower or compile on some node, by what that failure can depend on
+# other than shapes: op -> {(non-tensor arguments, input dtypes, output dtypes)}. A node that
+# matches runs eagerly from the start, at every shape, so a new input shape does not search for
+# it again (sync.py). The sync layer adds to it (`mark_unlowerable`); the tracer asks per node
+# (`is_unlowerable`) once it is not empty. Never rebound (modules hold the dict itself).
+unlowerable = {}
+
+
+def _signature(node) -> tuple:
+    return (node.spec, tuple([n.metas[i].dtype for n, i in node.inputs]),
+            tuple([m.dtype if m is not None else None for m in node.metas]))
+
+
+def is_unlowerable(node) -> bool:
+    """Return whether a node like `node` (same op, non-tensor arguments and dtypes) failed before."""
+    known = unlowerable.get(node.key[0])
+    return known is not None and _signature(node) in known
+
+
+def mark_unlowerable(node):
+    """Remember that `node`'s rule fails, so that nodes like it run eagerly; return None."""
+    unlowerable.setdefault(node.key[0], set()).add(_signature(node))
 
 
 def _call(func, args, kwargs):

@@ -16,7 +16,7 @@ from ... import config
 from .. import ir, metrics, shape
 from ..device import backend
 from ..ir import Node
-from ..tensor import LazyTensor
+from ..tensor import LazyTensor, check_device
 from .capture import collect
 from .record import functional
 from .registry import HANDLER, register
@@ -46,6 +46,8 @@ def _to_copy(func, args, kwargs):
     device = kwargs.get("device")
     if device is not None and torch.device(device).type != "lazy":
         return func(args[0]._to_cpu(), **kwargs)
+    if device is not None:
+        check_device(device)
     kwargs = {k: v for k, v in kwargs.items() if k not in ("device", "pin_memory", "non_blocking", "layout")}
     if not kwargs.get("dtype") or kwargs.get("dtype") == args[0].dtype:
         kwargs.pop("memory_format", None)
@@ -119,6 +121,8 @@ def _fill_new(func, args, kwargs):
         value = args[2] if size_at is not None else args[1]
     memory_format = kwargs.get("memory_format")
     device = kwargs.get("device")
+    if device is not None and torch.device(device).type == "lazy":
+        check_device(device)
     plain = (
         _as_data(value)
         and kwargs.get("layout") in (None, torch.strided)

@@ -25,7 +25,7 @@ import math
 import torch
 
 from tvm_lowering.counter_rng import words
-from ..tensor import LazyTensor, is_lazy
+from ..tensor import LazyTensor, check_device, is_lazy
 from .eager import run as eager
 from .inplace import assign
 from .record import functional
@@ -375,6 +375,8 @@ def _handled_by(builder, *funcs):
         device = a.get("device")
         if device is not None and torch.device(device).type != "lazy":
             return _elsewhere(func, args, kwargs)
+        if device is not None:
+            check_device(device)
         target = a["out"] if "out" in a else a["self"] if func._schema.is_mutable else None
         out = builder(a)  # with no elements, every op's output is device data at once: nothing runs
         if out is NotImplemented:

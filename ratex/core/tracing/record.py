@@ -14,7 +14,7 @@ from ..ir import Node, op_name
 from ..tensor import LazyTensor
 from . import registry
 from .capture import Value, collect
-from .eager import run as eager, unlowerable
+from .eager import is_unlowerable, run as eager, unlowerable
 from .registry import PATH, register
 from .torch_decomp import decomposed_or_eager
 
@@ -46,7 +46,7 @@ def new_node(func, spec, values, out, counter):
     """Record a node of a lowered op (its counter `ratex::<op>`); None where its rule failed
     on this very node before."""
     node = Node(func, spec, tuple(values), out.metas, multi=out.kind != "tensor")
-    if unlowerable and node.key in unlowerable:
+    if unlowerable and is_unlowerable(node):
         return None
     metrics.counts[counter] += 1
     return node

@@ -4,15 +4,12 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ... import distributed
 from ...core import sync
-from ...core.device import LAZY
-from ...core.tensor import is_lazy
+from ...core.tensor import check_device, is_lazy
 
 
 def lazy_device(index: int = 0) -> torch.device:
-    """Return the lazy device, `lazy:0`."""
-    if index != 0:
-        raise ValueError(f"lazy device index {index} does not exist; ratex has one lazy device, index 0")
-    return LAZY
+    """Return the lazy device, `lazy:0` (ratex has one: another index raises a ValueError)."""
+    return check_device(torch.device("lazy", index))
 
 
 def mark_step():
