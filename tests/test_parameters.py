@@ -203,3 +203,15 @@ def test_gpt2_with_tied_head_trains_like_cpu(dev):
         lm.mark_step()
         torch.testing.assert_close(got.cpu(), want.detach(), rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(model.transformer.wte.weight.cpu(), cpu.transformer.wte.weight, rtol=1e-4, atol=1e-5)
+
+
+def test_uninitialized_lazy_module_refuses_to_move_and_stays_usable(dev):
+    """A torch.nn Lazy* module before its first call has no shapes to move: a clear error, and
+    the module still initializes and moves after a CPU call."""
+    m = torch.nn.LazyLinear(3)
+    with pytest.raises(RuntimeError, match="uninitialized UninitializedParameter.*call the module once"):
+        m.to(dev)
+    x = torch.randn(2, 5)
+    want = m(x)
+    m.to(dev)
+    torch.testing.assert_close(m(x.to(dev)).cpu(), want)

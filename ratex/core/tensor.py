@@ -14,6 +14,7 @@ import collections
 
 import torch
 from torch.utils._pytree import tree_map
+from torch.nn.parameter import UninitializedTensorMixin
 
 from . import launch, metrics
 from .chain import replay, scatter_back
@@ -243,6 +244,11 @@ def _lazy_key_kernel(op, *args, **kwargs):
         check_device(device)
     if op is aten._to_copy.default:
         src = args[0]
+        if isinstance(src, UninitializedTensorMixin):
+            raise RuntimeError(
+                f"cannot move an uninitialized {type(src).__name__} (a torch.nn Lazy* module's, whose shape "
+                "comes from its first input) to the lazy device: call the module once on a CPU batch of "
+                "the right shape first, then move it with .to('lazy')")
         kw = {k: v for k, v in kwargs.items() if k not in _MOVE_ONLY and not (k == "dtype" and v == src.dtype)}
         out = aten._to_copy.default(src, **kw) if kw else src  # x.to('lazy') comes with its own dtype: no cast
         return LazyTensor.from_cpu(out, adopt=out is not src)
