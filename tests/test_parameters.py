@@ -215,3 +215,11 @@ def test_uninitialized_lazy_module_refuses_to_move_and_stays_usable(dev):
     want = m(x)
     m.to(dev)
     torch.testing.assert_close(m(x.to(dev)).cpu(), want)
+
+
+def test_sparse_gradients_raise_a_clear_error(dev):
+    """Lazy tensors are dense: a sparse embedding gradient is refused by name, not by a copy error."""
+    m = nn.Embedding(10, 3, sparse=True).to(dev)
+    with pytest.raises(NotImplementedError, match="sparse_coo.*sparse=False"):
+        m(torch.tensor([1, 2]).to(dev)).sum().backward()
+        m.weight.grad.cpu()

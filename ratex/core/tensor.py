@@ -58,6 +58,11 @@ class LazyTensor(torch.Tensor):
     @classmethod
     def from_cpu(cls, cpu: torch.Tensor, adopt=False):
         """Return a lazy tensor holding a copy of the CPU tensor `cpu` (or `cpu` itself if adopt)."""
+        if cpu.layout is not torch.strided:
+            raise NotImplementedError(
+                f"the lazy device holds dense (torch.strided) tensors only, not {cpu.layout}: a sparse "
+                "gradient (nn.Embedding(sparse=True), F.embedding(sparse=True), for SparseAdam) is not "
+                "supported; use sparse=False and a dense optimizer such as Adam")
         be = backend()
         metrics.counter_inc("DeviceDataTransfer")
         data = be.adopt(cpu) if adopt else be.upload(cpu)
