@@ -97,6 +97,7 @@ SYSTEMS = ["eager", "compile", "torch_lazy", "ratex_lazy", "ratex_script", "rate
 DEFAULT_SYSTEMS = [s for s in SYSTEMS if s != "ratex_amp"]
 AMP_TOLERANCE = 0.02  # a bfloat16 autocast run's final loss, relative to float32's
 MODELS = ["lenet-b1", "lenet-b64", "mnist-b64", "mlp-b128", "gpt2l-b8"]
+REAL_MODELS = ["hf-gpt2-b4", "hf-bert-b4", "lstm-b8"]  # --models real: models nobody here tuned for
 DIST_MODELS = ["gpt2l-b8", "mlp-b128"]  # --nproc: the models whose gradients are worth all-reducing
 LAZY_RATEX = ("ratex_lazy", "ratex_script", "ratex_amp")  # the lazy device: traced per op, a program per mark_step
 RATEX = (*LAZY_RATEX, "ratex_compile")
@@ -549,7 +550,8 @@ def report(models, systems, cells, args):
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    p.add_argument("--models", help="comma-separated: " + ",".join(MODELS) + " (default: all; with --nproc "
+    p.add_argument("--models", help="comma-separated: " + ",".join(MODELS + REAL_MODELS) + ", or real for the last "
+                   + str(len(REAL_MODELS)) + " (default: the first " + str(len(MODELS)) + "; with --nproc "
                    + ",".join(DIST_MODELS) + ")")
     p.add_argument("--systems", help="comma-separated: " + ",".join(SYSTEMS) + " (default: all but ratex_amp; "
                    "with --device gpu also not torch_lazy)")
@@ -586,11 +588,11 @@ def main():
             p.error(f"unknown model: {', '.join(m for m in models if m not in MODELS)}")
         return bench_dist.run(models, args.nproc, args.steps, args.warmup, args.timeout)
 
-    models = [m for m in (args.models or ",".join(MODELS)).split(",") if m]
+    models = [m for m in (args.models or ",".join(MODELS)).replace("real", ",".join(REAL_MODELS)).split(",") if m]
     gpu_systems = [s for s in DEFAULT_SYSTEMS if s != "torch_lazy"]
     systems = [s for s in (args.systems or ",".join(gpu_systems if args.device == "gpu" else DEFAULT_SYSTEMS)).split(",")
                if s]
-    bad = [m for m in models if m not in MODELS] + [s for s in systems if s not in SYSTEMS]
+    bad = [m for m in models if m not in MODELS + REAL_MODELS] + [s for s in systems if s not in SYSTEMS]
     if bad:
         p.error(f"unknown model/system: {', '.join(bad)}")
     if args.device == "gpu" and "torch_lazy" in systems:

@@ -103,10 +103,58 @@ class Spec:
         self.build, self.batches, self.loss, self.optimizer, self.dropout = build, batches, loss, optimizer, dropout
 
 
+class _HF:
+    """A tiny randomly initialised `transformers` model (2 layers, width 64) returning logits:
+    models nobody here wrote. `transformers` is imported only when one is built."""
+
+    def __init__(self, kind):
+        self.kind = kind
+
+    def __call__(self):
+        import transformers
+
+        if self.kind == "gpt2":
+            config = transformers.GPT2Config(vocab_size=1000, n_positions=64, n_embd=64, n_layer=2, n_head=4,
+                                             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+            return _Logits(transformers.GPT2LMHeadModel(config))
+        config = transformers.BertConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                         intermediate_size=256, max_position_embeddings=64,
+                                         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        return _Logits(transformers.BertForMaskedLM(config))
+
+
+class _Logits(nn.Module):
+    """A Hugging Face model called as users call it (keyword arguments), its logits out."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids):
+        return self.model(input_ids=ids).logits
+
+
+class LSTMLM(nn.Module):
+    """An LSTM language model: embedding, 2-layer LSTM (batch_first), linear head."""
+
+    def __init__(self, vocab=1000, width=128):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, width)
+        self.lstm = nn.LSTM(width, width, num_layers=2, batch_first=True)
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, ids):
+        return self.head(self.lstm(self.emb(ids))[0])
+
+
 MODELS = {
     "lenet-b1": Spec(LeNet5, lambda s: _images(1, s), _nll, _sgd),
     "lenet-b64": Spec(LeNet5, lambda s: _images(64, s), _nll, _sgd),
     "mnist-b64": Spec(MnistNet, lambda s: _images(64, s), _nll, _sgd, dropout=True),
     "mlp-b128": Spec(MLP, lambda s: _images(128, s), _ce, _sgd),
     "gpt2l-b8": Spec(GPT, lambda s: _tokens(8, s), _lm_ce, _adamw),
+    # models nobody here wrote or tuned for (not in bench.py's default set)
+    "hf-gpt2-b4": Spec(_HF("gpt2"), lambda s: _tokens(4, s, seq=32), _lm_ce, _adamw),
+    "hf-bert-b4": Spec(_HF("bert"), lambda s: _tokens(4, s, seq=32), _lm_ce, _adamw),
+    "lstm-b8": Spec(LSTMLM, lambda s: _tokens(8, s, seq=32), _lm_ce, _adamw),
 }

@@ -46,34 +46,11 @@ def _switches():
     return out
 
 
-class _HFGPT2:
-    """A tiny randomly initialised `transformers` GPT-2 (2 layers, width 64) returning logits:
-    a model nobody here wrote, trained with AdamW."""
-
-    def __new__(cls):
-        import torch
-        import transformers
-
-        config = transformers.GPT2Config(vocab_size=1000, n_positions=64, n_embd=64, n_layer=2, n_head=4,
-                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-        model = transformers.GPT2LMHeadModel(config)
-
-        class Logits(torch.nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.gpt2 = model
-
-            def forward(self, ids):
-                return self.gpt2(input_ids=ids).logits
-
-        return Logits()
-
-
 def _models():
-    """bench_models.MODELS plus the models only this script measures."""
-    from bench_models import MODELS, Spec, _adamw, _lm_ce, _tokens
+    """The models of scripts/bench_models.py."""
+    from bench_models import MODELS
 
-    return {**MODELS, "hf-gpt2-b4": Spec(_HFGPT2, lambda s: _tokens(4, s, seq=32), _lm_ce, _adamw)}
+    return MODELS
 
 
 def measure(model_name: str, mode: str, steps: int, warmup: int) -> dict:

@@ -11,6 +11,7 @@ from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as T
 
 from ..dtypes import to_tvm
+from ..schedules import MATERIALIZE
 from . import bounds
 
 
@@ -143,7 +144,9 @@ def round_bf16(v):
 
 
 def _round_to_bf16_te(x):
-    return te.compute(x.shape, lambda *i: round_bf16(x(*i)), name="round_to_bfloat16")
+    # Materialized: the rounding reads its input four times, so chains of roundings inlined
+    # into each other would grow the kernel exponentially (and its compile time with it).
+    return te.compute(x.shape, lambda *i: round_bf16(x(*i)), name="round_to_bfloat16", attrs={MATERIALIZE: 1})
 
 
 def to_dtype(imp, x, dt):
