@@ -9,7 +9,7 @@ fi
 mkdir -p build
 log=build/setup.log
 : >"$log"
-if ! .venv/bin/python -c "import ratex, pytest" 2>/dev/null; then
+if ! .venv/bin/python -c "import ratex, pytest, xdist" 2>/dev/null; then
     .venv/bin/pip install --quiet --upgrade pip
     # The native library is compiled against the venv's own torch and tvm-ffi, so the build
     # requirements (pyproject.toml pins them to the versions ratex runs with) come first and

@@ -3,4 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-.venv/bin/python -m pytest -q "$@"
+# One worker per core; a test module's tests stay in one worker, which compiles its programs once.
+.venv/bin/python -m pytest -q -n auto --dist loadfile "$@"
