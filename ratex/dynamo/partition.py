@@ -159,6 +159,8 @@ def driver(graph: fx.Graph, parts: list, compile_region, mutations: list) -> fx.
     env = {}
     for n in graph.find_nodes(op="placeholder"):
         env[n] = g.node_copy(n)
+    for n in graph.find_nodes(op="get_attr"):  # constants AOTAutograd lifted onto the module
+        env[n] = g.node_copy(n)
     done = 0
     while ready:
         _, k = heapq.heappop(ready)
@@ -185,7 +187,7 @@ def driver(graph: fx.Graph, parts: list, compile_region, mutations: list) -> fx.
                                      tuple(env[v] if isinstance(v, fx.Node) else v for _, v in mutations)))
     out = graph.output_node().args[0]
     g.output(fx.node.map_arg(list(out) if isinstance(out, (tuple, list)) else [out], lambda a: env[a]))
-    return fx.GraphModule(torch.nn.Module(), g)
+    return fx.GraphModule(graph.owning_module or torch.nn.Module(), g)
 
 
 def write_back(dsts: tuple, srcs: tuple):

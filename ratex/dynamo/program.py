@@ -145,7 +145,7 @@ class CompiledGraph:
     def _prepare(self, args):
         graph, mutations, seeds = prepare(self.gm, args if self.symbolic else None)
         kind, arch, index = graphs.device_kind(graph)
-        gm = fx.GraphModule(torch.nn.Module(), graph)
+        gm = fx.GraphModule(self.gm, graph)  # its get_attr constants (lifted tensors) come along
         writes = [n for n in graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
                   and n.target._schema.is_mutable]
         while True:
