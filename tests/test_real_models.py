@@ -8,14 +8,12 @@ final parameters match CPU's, how many programs each step runs (a value read int
 middle of a step cuts it in two), that only the first step compiles, and that no op falls back
 to CPU (`aten::` counters).
 
-Where today's code fails, the test is `xfail(strict=True)` with the defect as its reason: the
-fix makes it pass, and strict turns that pass into a failure until the mark is removed.
-
-More models (T5, BART, `nn.TransformerEncoder` with a padding mask, an LSTM language model, a
-ResNet with BatchNorm) add about two minutes on two cores: they run with RATEX_REAL_MODELS=all.
+Also T5 and BART, and models built from torch.nn alone: `nn.TransformerEncoder` with a padding
+mask, an LSTM language model, a ResNet with BatchNorm. A known defect is an `xfail(strict=True)`
+with the defect as its reason: the fix makes it pass, and strict turns that pass into a failure
+until the mark is removed.
 """
 import copy
-import os
 
 import pytest
 import torch
@@ -30,8 +28,6 @@ transformers = pytest.importorskip("transformers")
 
 STEPS = 3
 VOCAB, SEQ, BATCH = 64, 8, 2
-ALL = os.environ.get("RATEX_REAL_MODELS") == "all"
-slow = pytest.mark.skipif(not ALL, reason="slow to compile: run with RATEX_REAL_MODELS=all")
 
 
 
@@ -196,7 +192,7 @@ def test_scripted_model_with_its_loss(dev):
 
 
 # --------------------------------------------------------------------------- #
-# more models, with RATEX_REAL_MODELS=all
+# more models
 # --------------------------------------------------------------------------- #
 
 def _t5(tied=True):
@@ -221,7 +217,6 @@ SEQ2SEQ = {"t5": _t5, "bart": _bart}
 SEQ2SEQ_RUNS = {"t5": 3, "bart": 4}
 
 
-@slow
 @pytest.mark.parametrize("name", SEQ2SEQ)
 def test_seq2seq_untied_trains_like_cpu(dev, name):
     """T5 and BART with an untied LM head, trained as a user trains them, match CPU."""
@@ -229,7 +224,6 @@ def test_seq2seq_untied_trains_like_cpu(dev, name):
     _check(lambda: SEQ2SEQ[name](tied=False), _hf_batches(), _hf_loss, dev, runs=runs, first_compiles=runs)
 
 
-@slow
 @pytest.mark.parametrize("name", SEQ2SEQ)
 def test_seq2seq_tied_trains_like_cpu(dev, name):
     """T5 and BART as configured (LM head tied to the shared embedding) match CPU."""
@@ -312,18 +306,15 @@ def _image_loss(model, x, y):
 
 OWN = {"encoder-padding-mask": (_EncoderLM, _hf_batches, _lm_loss), "lstm-lm": (_LSTMLM, _hf_batches, _lm_loss),
        "resnet-bn": (_ResNet, _image_batches, _image_loss)}
-MASKED_FILL = ("masked_fill(mask, -inf) of the padding mask fails to compile (TypeError: argument of type "
-               "'PrimType' is not iterable) and runs on CPU, after a search that compiles node by node "
-               "(over 100 compiles at the first step)")
 KNOWN = {
-    ("encoder-padding-mask", False): MASKED_FILL,
-    ("encoder-padding-mask", True): MASKED_FILL + "; scripted, the whole forward and backward run on CPU",
-    ("resnet-bn", True): ("relax.nn.adaptive_avg_pool2d has no gradient (FPrimalGradient): the scripted "
-                          "backward runs on CPU (aten::script_bwd)"),
+    ("encoder-padding-mask", True): ("scripted, the second step compiles a program of its own (RATEX_DEBUG: one "
+                                     "tensor live at the first step's sync is not at the second); losses, "
+                                     "parameters and buffers match CPU and the third step compiles nothing"),
+    ("resnet-bn", True): ("scripted, the ResNet's losses part from CPU's by ~2e-4 relative from the second step "
+                          "(the plain lazy path matches): not yet diagnosed"),
 }
 
 
-@slow
 @pytest.mark.parametrize("name,script", [
     pytest.param(name, script, id=f"{name}-{'script' if script else 'lazy'}",
                  marks=[pytest.mark.xfail(strict=True, reason=KNOWN[name, script])] if (name, script) in KNOWN else [])
