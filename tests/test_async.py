@@ -119,7 +119,16 @@ def test_tracing_runs_at_most_one_program_ahead(dev, wrap_programs):
     torch.testing.assert_close(w.cpu(), torch.full((3,), 7.0))
 
 
-def test_ctrl_c_while_waiting_for_a_program_leaves_it_running(dev, wrap_programs):
+@pytest.fixture
+def ctrl_c_raises():
+    """SIGINT raises KeyboardInterrupt, as in a terminal, also where the suite was started with
+    SIGINT ignored (a background job inherits that, and Python then installs no handler)."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
+def test_ctrl_c_while_waiting_for_a_program_leaves_it_running(dev, wrap_programs, ctrl_c_raises):
     """A KeyboardInterrupt reaches a thread waiting for a long program (on the native runner,
     within its 0.2 s wait slices), not once the program is over; it still finishes, and its results are kept."""
     w = torch.ones(3).to(dev)
