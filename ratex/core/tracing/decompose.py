@@ -184,7 +184,6 @@ def _safe_softmax(x, dim, dtype=None):
     return aten.where.self(masked, functional(aten.zeros_like.default, (out,), {}), out)
 
 
-
 @register(aten.multilabel_margin_loss_forward.default, tier=DECOMPOSITION)
 def _multilabel_margin_loss(x, target, reduction):
     """Run on CPU PyTorch: torch._decomp's decomposition of this op gives wrong losses (a 1-d
