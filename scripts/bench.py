@@ -588,7 +588,7 @@ def main():
             p.error(f"unknown model: {', '.join(m for m in models if m not in MODELS)}")
         return bench_dist.run(models, args.nproc, args.steps, args.warmup, args.timeout)
 
-    models = [m for m in (args.models or ",".join(MODELS)).replace("real", ",".join(REAL_MODELS)).split(",") if m]
+    models = [n for m in (args.models or ",".join(MODELS)).split(",") if m for n in (REAL_MODELS if m == "real" else [m])]
     gpu_systems = [s for s in DEFAULT_SYSTEMS if s != "torch_lazy"]
     systems = [s for s in (args.systems or ",".join(gpu_systems if args.device == "gpu" else DEFAULT_SYSTEMS)).split(",")
                if s]

@@ -17,7 +17,6 @@ from ..tensor import LazyTensor
 from . import registry
 from .capture import Value, arg_sig, is_arg_tensor, is_value_arg
 from .record import float_scalar_dtype, functional, liftable, scalar_input, value_op
-from .eager import run as eager
 from .registry import DECOMPOSITION, register
 
 aten = torch.ops.aten
@@ -183,9 +182,3 @@ def _safe_softmax(x, dim, dtype=None):
     masked = aten.eq.Scalar(aten.amax.default(x, [dim], True), float("-inf"))
     return aten.where.self(masked, functional(aten.zeros_like.default, (out,), {}), out)
 
-
-@register(aten.multilabel_margin_loss_forward.default, tier=DECOMPOSITION)
-def _multilabel_margin_loss(x, target, reduction):
-    """Run on CPU PyTorch: torch._decomp's decomposition of this op gives wrong losses (a 1-d
-    input's elements read as the batch; sums that differ from ATen's for 2-d inputs too)."""
-    return eager(aten.multilabel_margin_loss_forward.default, (x, target, reduction), {})

@@ -16,14 +16,21 @@ from .schema import is_composite
 _decomposing = set()  # ops whose decomposition is running (one that re-emits its own op runs it eagerly)
 
 
+# Ops whose torch._decomp decomposition computes something else than the ATen op: they run
+# eagerly. multilabel_margin_loss_forward reads a 1-d input's elements as the batch and its
+# sums differ from ATen's for batches too.
+_WRONG = frozenset((torch.ops.aten.multilabel_margin_loss_forward.default,))
+
+
 @functools.lru_cache(maxsize=None)
 def _torch_decomp(func):
-    """PyTorch's decomposition of `func`, or None (random ops keep their own seeded path).
+    """PyTorch's decomposition of `func`, or None (random ops keep their own seeded path;
+    decompositions known to be wrong are not used).
 
     torch._decomp's table first; else the op's CompositeImplicitAutograd kernel,
     for composite ops that reach the lazy device from inside another decomposition.
     """
-    if torch.Tag.nondeterministic_seeded in func.tags:
+    if torch.Tag.nondeterministic_seeded in func.tags or func in _WRONG:
         return None
     found = torch._decomp.decomposition_table.get(func)
     if found is None and is_composite(func):
