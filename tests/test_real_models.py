@@ -306,10 +306,12 @@ def _image_loss(model, x, y):
 
 OWN = {"encoder-padding-mask": (_EncoderLM, _hf_batches, _lm_loss), "lstm-lm": (_LSTMLM, _hf_batches, _lm_loss),
        "resnet-bn": (_ResNet, _image_batches, _image_loss)}
+FLAKY = {("encoder-padding-mask", True)}  # whether it fails depends on what ran before in the process
 KNOWN = {
-    ("encoder-padding-mask", True): ("scripted, the second step compiles a program of its own (RATEX_DEBUG: one "
-                                     "tensor live at the first step's sync is not at the second); losses, "
-                                     "parameters and buffers match CPU and the third step compiles nothing"),
+    ("encoder-padding-mask", True): ("scripted, the second step may compile a program of its own (RATEX_DEBUG: one "
+                                     "tensor live at the first step's sync is not at the second), unless an earlier "
+                                     "test in the process compiled it; losses, parameters and buffers match CPU and "
+                                     "the third step compiles nothing"),
     ("resnet-bn", True): ("scripted, the ResNet's losses part from CPU's by ~2e-4 relative from the second step "
                           "(the plain lazy path matches): not yet diagnosed"),
 }
@@ -317,7 +319,7 @@ KNOWN = {
 
 @pytest.mark.parametrize("name,script", [
     pytest.param(name, script, id=f"{name}-{'script' if script else 'lazy'}",
-                 marks=[pytest.mark.xfail(strict=True, reason=KNOWN[name, script])] if (name, script) in KNOWN else [])
+                 marks=[pytest.mark.xfail(strict=(name, script) not in FLAKY, reason=KNOWN[name, script])] if (name, script) in KNOWN else [])
     for name in OWN for script in (False, True)])
 def test_model_trains_like_cpu(dev, name, script):
     """Models built from torch.nn alone train like CPU, on the plain lazy path and scripted, one
