@@ -95,6 +95,49 @@ def test_convolution_backward_1d():
     )
 
 
+# (input shape, weight shape, stride, padding, dilation, transposed, output_padding, groups)
+CONVS = [
+    ((2, 4, 5, 6, 7), (6, 2, 3, 2, 3), [2, 1, 2], [1, 0, 1], [1, 2, 1], False, [0, 0, 0], 2),
+    ((1, 2, 4, 4, 4), (2, 2, 2, 2, 2), [1, 1, 1], [0, 0, 0], [1, 1, 1], False, [0, 0, 0], 1),
+    ((2, 4, 7), (4, 3, 3), [2], [1], [1], True, [1], 2),
+    ((2, 4, 5, 6), (4, 2, 3, 2), [2, 3], [1, 0], [1, 2], True, [1, 2], 2),
+    ((2, 3, 5, 5), (3, 2, 3, 3), [1, 1], [0, 1], [3, 3], True, [2, 2], 1),  # output padding past the stride
+    ((1, 2, 3, 4, 3), (2, 3, 3, 3, 2), [2, 1, 2], [1, 1, 0], [1, 2, 1], True, [1, 1, 0], 1),
+    ((2, 4, 3, 4, 5), (4, 5, 3, 3, 3), [1, 1, 1], [0, 0, 0], [1, 1, 1], True, [0, 0, 0], 1),  # nn.ConvTranspose3d(4, 5, 3)
+]
+
+
+@pytest.mark.usefixtures("tvm_kernels")
+@pytest.mark.parametrize("xs,ws,stride,padding,dilation,transposed,out_pad,groups", CONVS)
+def test_convolution_backward_any_rank(xs, ws, stride, padding, dilation, transposed, out_pad, groups):
+    """1- to 3-d convolutions, plain and transposed: the three gradients of convolution_backward."""
+    x, w = rnd(*xs), rnd(*ws)
+    conv = (stride, padding, dilation, transposed, out_pad, groups)
+    out = aten.convolution.default(x, w, None, *conv)
+    check(
+        lambda g, x, w: aten.convolution_backward.default(g, x, w, [out.shape[1]], *conv, [True, True, True]),
+        torch.randn_like(out), x, w,
+        ops=["convolution_backward.default"],
+    )
+
+
+@pytest.mark.usefixtures("tvm_kernels")
+@pytest.mark.parametrize("xs,ws,stride,padding,dilation,transposed,out_pad,groups", CONVS[::2])
+def test_convolution_autograd_of_a_strided_input(xs, ws, stride, padding, dilation, transposed, out_pad, groups):
+    """Forward and autograd's gradients of a biased convolution whose input is a transposed view."""
+    x, w, b = rnd(*xs).transpose(-1, 1), rnd(*ws), rnd(ws[1] * groups if transposed else ws[0])
+
+    def fn(x, w, b, g):
+        x, w, b = (t.detach().requires_grad_() for t in (x, w, b))
+        out = aten.convolution.default(x.transpose(-1, 1), w, b, stride, padding, dilation, transposed, out_pad,
+                                       groups)
+        return (out, *torch.autograd.grad(out, (x, w, b), g))
+
+    g = torch.randn_like(aten.convolution.default(x.transpose(-1, 1), w, b, stride, padding, dilation, transposed,
+                                                  out_pad, groups))
+    check(fn, x, w, b, g, ops=["convolution.default", "convolution_backward.default"])
+
+
 class In:
     """Marks input `i` in the argument list given to _lower_and_run."""
 
@@ -145,6 +188,21 @@ def test_convolution_backward_output_mask():
         args = (In(0), In(1), In(2), [4], [1, 1], [1, 1], [1, 1], False, [0, 0], 1, mask)
         got = _lower_and_run(aten.convolution_backward.default, args, [g, x, w])
         # (CPU may fill outputs that the mask turns off, so pick by the mask.)
+        want = [t for t, m in zip(aten.convolution_backward.default(g, x, w, *args[3:]), mask) if m]
+        assert len(got) == len(want)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.usefixtures("tvm_kernels")
+@pytest.mark.parametrize("xs,ws,stride,padding,dilation,transposed,out_pad,groups", CONVS[2:4] + CONVS[5:6])
+def test_transposed_convolution_backward_output_mask(xs, ws, stride, padding, dilation, transposed, out_pad, groups):
+    x, w = rnd(*xs), rnd(*ws)
+    conv = [stride, padding, dilation, transposed, out_pad, groups]
+    g = torch.randn_like(aten.convolution.default(x, w, None, *conv))
+    for mask in ([False, True, True], [True, False, False], [False, False, True]):
+        args = (In(0), In(1), In(2), [g.shape[1]], *conv, mask)
+        got = _lower_and_run(aten.convolution_backward.default, args, [g, x, w])
         want = [t for t, m in zip(aten.convolution_backward.default(g, x, w, *args[3:]), mask) if m]
         assert len(got) == len(want)
         for a, b in zip(got, want):

@@ -11,6 +11,7 @@ from .. import pool_grad
 from . import bounds
 from .kit import (arg, cast, dtype, emit, emit_te, env, nll_pick, out_meta, pair, pool_window, scalar, scatter_into,
                   shape, to_dtype, tuple_out, zeros)
+from .nn import CONV, conv_window, transposed_conv
 from .registry import rule
 
 
@@ -161,75 +162,56 @@ def mse_loss_backward(imp, node):
 
 
 # ---- convolution ------------------------------------------------------------------------------
-def _conv_out_padding(in_size, out_size, k, s, p, d):
-    return [i - ((o - 1) * st - 2 * pp + dd * (kk - 1) + 1) for i, o, kk, st, pp, dd in zip(in_size, out_size, k, s, p, d)]
+def _conv_weight_grad(imp, x, g, stride, padding, dilation, groups, k):
+    """grad_weight (O, C/groups, *k) of conv(x, weight) whose output gradient is `g` (N, O, *out):
+
+    grad_w[o, c, i] = sum_{n, j} g[n, o, j] * xpad[n, group(o) * C/groups + c, j * stride + i * dilation],
+    a convolution of x (its batch read as channels) with g as the kernel, stride and dilation swapped.
+    """
+    nsp = len(stride)
+    n, c = shape(x)[:2]
+    sizes = shape(x)[2:]
+    spatial = list(range(2, 2 + nsp))
+    xr = emit(imp, op.reshape(x, [n, groups, c // groups, *sizes]))
+    xr = emit(imp, op.permute_dims(xr, [2, 1, 0, *(d + 1 for d in spatial)]))
+    xr = emit(imp, op.reshape(xr, [c // groups, groups * n, *sizes]))
+    gr = emit(imp, op.permute_dims(g, [1, 0, *spatial]))  # (O, N, *out)
+    gw = emit(imp, CONV[nsp][0](xr, gr, strides=dilation, padding=padding, dilation=stride, groups=groups))
+    gw = emit(imp, op.permute_dims(gw, [1, 0, *spatial]))  # (O, C/groups, *k'), k' >= k
+    if shape(gw)[2:] != list(k):
+        gw = emit(imp, op.strided_slice(gw, spatial, [0] * nsp, list(k)))
+    return gw
 
 
 @rule("convolution_backward.default")
 def convolution_backward(imp, node):
-    g = env(imp, node.args[0])
-    x = env(imp, node.args[1])
-    w = env(imp, node.args[2])
-    stride, padding, dilation = arg(node, 4, "stride"), arg(node, 5, "padding"), arg(node, 6, "dilation")
+    """(grad_input, grad_weight, grad_bias) of a 1-, 2- or 3-d convolution, transposed or not.
+
+    A transposed convolution's input gradient is the plain convolution of g with its weight,
+    and its weight gradient a plain convolution's with the roles of input and output gradient
+    swapped: y = conv_transpose(x, w) is the adjoint of x' = conv(y', w).
+    """
+    g, x, w = (env(imp, a) for a in node.args[:3])
+    stride, padding, dilation = conv_window(node, 4, x)
     transposed = arg(node, 7, "transposed")
     groups = arg(node, 9, "groups")
     mask = _mask(node, 10, "output_mask", 3)
-    if transposed:
-        raise NotImplementedError("convolution_backward for transposed convolutions")
-    nsp = len(shape(x)) - 2
-    if nsp not in (1, 2):
-        raise NotImplementedError(f"convolution_backward with {nsp} spatial dims")
-    stride, padding, dilation = pair(stride, nsp), pair(padding, nsp), pair(dilation, nsp)
-    if nsp == 1:  # lift to 2-D with a unit height
-        g = emit(imp, op.expand_dims(g, 2))
-        x = emit(imp, op.expand_dims(x, 2))
-        w = emit(imp, op.expand_dims(w, 2))
-        stride, padding, dilation = [1] + stride, [0] + padding, [1] + dilation
-    N, C, H, W = shape(x)
-    O, Cg, KH, KW = shape(w)
-    _, _, Ho, Wo = shape(g)
-    G = groups
+    window = (stride, padding, dilation, groups)
+    spatial = list(range(2, len(shape(x))))
     grad_in = grad_w = grad_b = None
-    if mask[0]:
-        # grad_input: transposed conv of grad with the same weight (OIHW read as IOHW).
-        opad = _conv_out_padding((H, W), (Ho, Wo), (KH, KW), stride, padding, dilation)
-        if all(0 <= op_ < max(s, d) for op_, s, d in zip(opad, stride, dilation)):
-            grad_in = emit(
-                imp,
-                op.nn.conv2d_transpose(
-                    g, w, strides=stride, padding=padding, output_padding=opad, dilation=dilation, groups=G
-                ),
-            )
-        else:  # output padding beyond what conv2d_transpose takes: pad the result instead
-            opad0 = [min(p, max(s, d) - 1) for p, s, d in zip(opad, stride, dilation)]
-            gi = emit(
-                imp,
-                op.nn.conv2d_transpose(
-                    g, w, strides=stride, padding=padding, output_padding=opad0, dilation=dilation, groups=G
-                ),
-            )
-            extra = [a - b for a, b in zip(opad, opad0)]
-            grad_in = emit(imp, op.nn.pad(gi, [0, 0, 0, 0, 0, extra[0], 0, extra[1]]))
+    if mask[0] and transposed:
+        # Positions past x's size (output padding of at least the stride) are sliced off.
+        grad_in = emit(imp, CONV[len(stride)][0](g, w, strides=stride, padding=padding, dilation=dilation,
+                                                 groups=groups))
+        if shape(grad_in) != shape(x):
+            grad_in = emit(imp, op.strided_slice(grad_in, spatial, [0] * len(spatial), shape(x)[2:]))
+    elif mask[0]:
+        grad_in = transposed_conv(imp, g, w, *window, shape(x)[2:])
     if mask[1]:
-        # grad_weight[o, c, i, j] = sum_{n,ho,wo} g[n, o, ho, wo] * xpad[n, c, ho*s + i*d, wo*s + j*d]:
-        # a conv of x (batch as channels) with g as kernel, stride/dilation swapped.
-        xr = emit(imp, op.reshape(x, [N, G, Cg, H, W]))
-        xr = emit(imp, op.permute_dims(xr, [2, 1, 0, 3, 4]))
-        xr = emit(imp, op.reshape(xr, [Cg, G * N, H, W]))
-        gr = emit(imp, op.permute_dims(g, [1, 0, 2, 3]))  # (O, N, Ho, Wo), O = G*Og
-        gw = emit(
-            imp,
-            op.nn.conv2d(xr, gr, strides=dilation, padding=padding, dilation=stride, groups=G),
-        )  # (Cg, O, KH', KW')
-        gw = emit(imp, op.permute_dims(gw, [1, 0, 2, 3]))
-        if shape(gw)[2:] != [KH, KW]:
-            gw = emit(imp, op.strided_slice(gw, [2, 3], [0, 0], [KH, KW]))
-        grad_w = gw
+        inp, out_grad = (g, x) if transposed else (x, g)
+        grad_w = _conv_weight_grad(imp, inp, out_grad, *window, shape(w)[2:])
     if mask[2]:
-        grad_b = emit(imp, op.sum(g, axis=[0, 2, 3]))
-    if nsp == 1:
-        grad_in = None if grad_in is None else emit(imp, op.squeeze(grad_in, [2]))
-        grad_w = None if grad_w is None else emit(imp, op.squeeze(grad_w, [2]))
+        grad_b = emit(imp, op.sum(g, axis=[0, *spatial]))
     return tuple_out(imp, node, [grad_in, grad_w, grad_b])
 
 
