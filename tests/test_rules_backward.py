@@ -212,20 +212,24 @@ def test_transposed_convolution_backward_output_mask(xs, ws, stride, padding, di
 # ---- pooling ----------------------------------------------------------------------------------
 @pytest.mark.usefixtures("tvm_kernels")
 @pytest.mark.parametrize(
-    "k,s,p,ceil,cip,div",
-    [([2, 2], [2, 2], [0, 0], False, True, None), ([3, 3], [2, 2], [1, 1], True, False, None),
-     ([3, 2], [1, 2], [1, 1], False, True, None), ([2, 2], [2, 2], [1, 0], True, True, 3)],
+    "shape,k,s,p,ceil,cip,div",
+    [((2, 3, 7, 6), [2, 2], [2, 2], [0, 0], False, True, None),
+     ((2, 3, 7, 6), [3, 3], [2, 2], [1, 1], True, False, None),
+     ((2, 3, 7, 6), [3, 2], [1, 2], [1, 1], False, True, None),
+     ((2, 3, 7, 6), [2, 2], [2, 2], [1, 0], True, True, 3),
+     ((2, 3, 5, 5, 5), [2, 2, 2], [2, 2, 2], [1, 1, 1], False, True, None),
+     ((1, 2, 5, 6, 7), [3, 2, 3], [2, 1, 2], [1, 1, 0], True, False, None),
+     ((3, 4, 4, 4), [2, 2, 2], [1, 2, 1], [0, 1, 1], False, True, 1),  # no batch dim
+     ((1, 3, 7, 7, 7), [5, 1, 1], [1, 1, 1], [2, 0, 0], False, True, None)],  # LocalResponseNorm's window
 )
-def test_avg_pool2d_backward(k, s, p, ceil, cip, div):
-    x = rnd(2, 3, 7, 6)
-    out = aten.avg_pool2d.default(x, k, s, p, ceil, cip, div)
-    g = torch.randn_like(out)
+def test_avg_pool_backward(shape, k, s, p, ceil, cip, div):
+    x = rnd(*shape)
+    pool, pool_backward = ((aten.avg_pool3d.default, aten.avg_pool3d_backward.default) if len(k) == 3 else
+                           (aten.avg_pool2d.default, aten.avg_pool2d_backward.default))
+    g = torch.randn_like(pool(x, k, s, p, ceil, cip, div))
     check(
-        lambda g, x: (
-            aten.avg_pool2d.default(x, k, s, p, ceil, cip, div),
-            aten.avg_pool2d_backward.default(g, x, k, s, p, ceil, cip, div),
-        ),
-        g, x, ops=["avg_pool2d.default", "avg_pool2d_backward.default"],
+        lambda g, x: (pool(x, k, s, p, ceil, cip, div), pool_backward(g, x, k, s, p, ceil, cip, div)),
+        g, x, ops=[pool.__name__, pool_backward.__name__],
     )
 
 

@@ -3,6 +3,7 @@ convolution, pooling, normalization and embedding."""
 import math
 import operator
 
+import numpy as np
 import torch
 from torch import fx
 from tvm import relax, te, tirx
@@ -247,71 +248,67 @@ def _pool_grad_gather(g, idx, kernel, x_shape):
                                     "max_pool2d_backward_gather")
 
 
-@rule("max_pool2d_with_indices_backward.default")
-def max_pool2d_with_indices_backward(imp, node):
+@rule("max_pool2d_with_indices_backward.default", "max_pool3d_with_indices_backward.default")
+def max_pool_with_indices_backward(imp, node):
+    """Each output gradient added into the input position its max came from."""
     g = env(imp, node.args[0])
     x = env(imp, node.args[1])
     idx = env(imp, arg(node, 7, "indices"))
     xs, gs = shape(x), shape(g)
-    if _pool_indices_in_window(node):  # a gather, per input element: no zero fill, no scatter
+    n = 3 if node.target.__name__.startswith("max_pool3d") else 2
+    if n == 2 and _pool_indices_in_window(node):  # a gather, per input element: no zero fill, no scatter
         return emit_te(imp, _pool_grad_gather, g, idx, pair(arg(node, 2, "kernel_size")), xs,
                        primfunc_name_hint="max_pool2d_backward_gather")
-    lead = xs[:-2]
-    plane = xs[-2] * xs[-1]
-    gflat = emit(imp, op.reshape(g, lead + [gs[-2] * gs[-1]]))
-    iflat = emit(imp, op.reshape(idx, lead + [gs[-2] * gs[-1]]))
-    base = zeros(imp, lead + [plane], dtype(g))
+    lead = xs[:-n]
+    gflat = emit(imp, op.reshape(g, lead + [math.prod(gs[-n:])]))
+    iflat = emit(imp, op.reshape(idx, lead + [math.prod(gs[-n:])]))
+    base = zeros(imp, lead + [math.prod(xs[-n:])], dtype(g))
     out = emit(imp, op.scatter_elements(base, iflat, gflat, axis=len(lead), reduction="add"))
     return emit(imp, op.reshape(out, xs))
 
 
-def _avg_pool_bwd_te(g, H, W, kernel, stride, padding, ceil_mode, count_include_pad, divisor):
-    *lead, Ho, Wo = g.shape
-    kh, kw = kernel
-    sh, sw = stride
-    ph, pw = padding
+def _avg_pool_bwd_te(g, in_sizes, kernel, stride, padding, count_include_pad, divisor):
+    """Each input element gets g / divisor from every window covering it, over the last
+    len(kernel) dims; windows and divisors are those of the forward (pooling._avg_pool_te)."""
+    n = len(kernel)
+    out_sizes = g.shape[-n:]
     dt = str(g.dtype)
 
-    def div_of(oh, ow):
+    def div_of(out_idx):
         if divisor:
             return tirx.const(divisor, "int32")
-        h0, w0 = oh * sh - ph, ow * sw - pw
-        h1, w1 = tirx.min(h0 + kh, H + ph), tirx.min(w0 + kw, W + pw)
-        if count_include_pad:
-            return (h1 - h0) * (w1 - w0)
-        return (tirx.min(h1, H) - tirx.max(h0, 0)) * (tirx.min(w1, W) - tirx.max(w0, 0))
+        starts = [o * s - p for o, s, p in zip(out_idx, stride, padding)]
+        ends = [tirx.min(b + k, size + p) for b, k, size, p in zip(starts, kernel, in_sizes, padding)]
+        if not count_include_pad:
+            starts = [tirx.max(b, 0) for b in starts]
+            ends = [tirx.min(e, size) for e, size in zip(ends, in_sizes)]
+        return math.prod([e - b for b, e in zip(starts, ends)])
 
-    scaled = te.compute(
-        g.shape, lambda *i: g[i] / div_of(i[-2], i[-1]).astype(dt), name="avg_pool_scaled"
-    )
+    scaled = te.compute(g.shape, lambda *i: g[i] / div_of(i[-n:]).astype(dt), name="avg_pool_scaled")
 
     def body(*idx):
-        lead_idx, h, w = idx[:-2], idx[-2], idx[-1]
+        lead_idx, pos = idx[:-n], idx[-n:]
         acc = tirx.const(0, dt)
-        for i in range(kh):
-            nh = h + ph - i
-            oh = tirx.floordiv(nh, sh)
-            vh = tirx.all(nh >= 0, tirx.floormod(nh, sh) == 0, oh < Ho)
-            for j in range(kw):
-                nw = w + pw - j
-                ow = tirx.floordiv(nw, sw)
-                ok = tirx.all(vh, nw >= 0, tirx.floormod(nw, sw) == 0, ow < Wo)
-                acc = acc + tirx.if_then_else(ok, scaled[(*lead_idx, oh, ow)], tirx.const(0, dt))
+        for offs in np.ndindex(*kernel):
+            shifted = [q + p - o for q, p, o in zip(pos, padding, offs)]
+            outs = [tirx.floordiv(v, s) for v, s in zip(shifted, stride)]
+            ok = tirx.all(*[tirx.all(v >= 0, tirx.floormod(v, s) == 0, o < size)
+                            for v, s, o, size in zip(shifted, stride, outs, out_sizes)])
+            acc = acc + tirx.if_then_else(ok, scaled[(*lead_idx, *outs)], tirx.const(0, dt))
         return acc
 
-    return te.compute((*lead, H, W), body, name="avg_pool2d_backward")
+    return te.compute((*g.shape[:-n], *in_sizes), body, name=f"avg_pool{n}d_backward")
 
 
-@rule("avg_pool2d_backward.default")
-def avg_pool2d_backward(imp, node):
+@rule("avg_pool2d_backward.default", "avg_pool3d_backward.default")
+def avg_pool_backward(imp, node):
     g = env(imp, node.args[0])
     x = env(imp, node.args[1])
-    kernel, stride, padding = pool_window(node, first=2)
-    ceil_mode = arg(node, 5, "ceil_mode")
+    n = 3 if node.target.__name__.startswith("avg_pool3d") else 2
+    kernel, stride, padding = pool_window(node, first=2, n=n)
     cip = arg(node, 6, "count_include_pad")
     divisor = arg(node, 7, "divisor_override")
-    H, W = shape(x)[-2:]
-    return emit_te(imp, _avg_pool_bwd_te, g, H, W, kernel, stride, padding, ceil_mode, cip, divisor)
+    return emit_te(imp, _avg_pool_bwd_te, g, shape(x)[-n:], kernel, stride, padding, cip, divisor)
 
 
 def _adaptive_avg_bwd_te(g, in_sizes):
