@@ -1,5 +1,5 @@
 """Rules of tvm_lowering/ops/backward.py against CPU PyTorch: the backward ops of activations,
-softmax, convolution (every output mask), pooling, embedding and dropout."""
+softmax, convolution (every output mask), pooling, padding, embedding and dropout."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -291,6 +291,36 @@ def test_max_pool_gradient_with_its_own_indices_is_a_gather():
 
     check(other_indices, g, x, torch.randint(0, 48, (2, 3, 3, 4)),
           ops=["max_pool2d_with_indices_backward.default"])
+
+
+# ---- padding ----------------------------------------------------------------------------------
+@pytest.mark.usefixtures("tvm_kernels")
+@pytest.mark.parametrize(
+    "shape,pad",
+    [((3, 4), (1, 1)), ((3, 4, 5), (-1, 2)), ((3, 4, 5, 6), (1, 2, 3, 4)), ((3, 4, 5, 6), (2, -1, 0, 3)),
+     ((3, 4, 5, 6, 7), (1, 2, 3, 4, 5, 6)), ((2, 1, 1, 1, 3), (2, 2, 1, 0, 0, 3))],  # (size 1: both ends on one)
+)
+def test_replication_pad_backward(shape, pad):
+    """Gradients of padding the last 1 to 3 dims, negative padding (a crop) included."""
+    name = f"replication_pad{len(pad) // 2}d"
+    forward, backward = getattr(aten, name).default, getattr(aten, f"{name}_backward").default
+    x = rnd(*shape)
+    g = torch.randn_like(forward(x, pad))
+    check(lambda g, x: backward(g, x, pad), g, x, ops=[backward.__name__])
+
+
+@pytest.mark.usefixtures("tvm_kernels")
+def test_replication_pad3d_autograd_of_a_strided_input():
+    x = rnd(2, 3, 6, 5, 4)
+    pad = (1, 2, 0, 3, 2, 1)
+
+    def fn(x, g):
+        x = x.detach().requires_grad_()
+        out = F.pad(x.transpose(1, 3), pad, mode="replicate")
+        return out, torch.autograd.grad(out, x, g)[0]
+
+    g = torch.randn_like(F.pad(x.transpose(1, 3), pad, mode="replicate"))
+    check(fn, x, g, ops=["replication_pad3d_backward.default"])
 
 
 # ---- embedding --------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """Rules for the backward ops autograd emits on the lazy device: of activations, softmax, losses,
-convolution, pooling, normalization and embedding."""
+convolution, pooling, padding, normalization and embedding."""
 import math
 import operator
 
@@ -354,6 +354,39 @@ def adaptive_max_pool_backward(imp, node):
     where = emit(imp, relax.op.reshape(indices, [planes, math.prod(gs[-nd:])]))
     out = scatter_into(imp, zeros(imp, flat, dtype(grad)), 1, where, grads, "sum")
     return emit(imp, relax.op.reshape(out, xs))
+
+
+# ---- padding ----------------------------------------------------------------------------------
+@rule("replication_pad1d_backward.default", "replication_pad2d_backward.default",
+      "replication_pad3d_backward.default")
+def replication_pad_backward(imp, node):
+    """Gradient of replication padding (negative padding crops), one padded dim at a time.
+
+    Output position o of a dim padded by (before, after) reads input clamp(o - before, 0, n - 1):
+    the positions inside pass their gradient straight back, those past either end sum into
+    the first or last input position.
+    """
+    g, x = env(imp, node.args[0]), env(imp, node.args[1])
+    padding = list(arg(node, 2, "padding"))
+    nd = len(padding) // 2
+    sizes = shape(x)
+    for i in range(nd):
+        dim = len(sizes) - 1 - i  # padding pairs run from the last dim backwards
+        before, after = padding[2 * i], padding[2 * i + 1]
+        n, m = sizes[dim], shape(g)[dim]
+        start, stop = max(before, 0), min(m, n + before)
+        if stop <= start:
+            raise NotImplementedError(f"replication_pad_backward with padding {padding} of an input of {sizes}")
+        widths = [0] * (2 * len(sizes))
+        widths[2 * dim:2 * dim + 2] = [max(-before, 0), max(-after, 0)]
+        grad = emit(imp, op.nn.pad(op.strided_slice(g, [dim], [start], [stop]), widths))
+        for lo, hi, at in ((0, before, 0), (n + before, m, n - 1)):
+            if hi > lo:
+                edge = op.sum(op.strided_slice(g, [dim], [lo], [hi]), axis=[dim], keepdims=True)
+                widths[2 * dim:2 * dim + 2] = [at, n - 1 - at]
+                grad = emit(imp, op.add(grad, op.nn.pad(edge, widths)))
+        g = grad
+    return g
 
 
 # ---- normalization ----------------------------------------------------------------------------
