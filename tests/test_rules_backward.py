@@ -298,7 +298,8 @@ def test_max_pool_gradient_with_its_own_indices_is_a_gather():
 @pytest.mark.parametrize(
     "shape,pad",
     [((3, 4), (1, 1)), ((3, 4, 5), (-1, 2)), ((3, 4, 5, 6), (1, 2, 3, 4)), ((3, 4, 5, 6), (2, -1, 0, 3)),
-     ((3, 4, 5, 6, 7), (1, 2, 3, 4, 5, 6)), ((2, 1, 1, 1, 3), (2, 2, 1, 0, 0, 3))],  # (size 1: both ends on one)
+     ((3, 4, 5, 6, 7), (1, 2, 3, 4, 5, 6)), ((2, 1, 1, 1, 3), (2, 2, 1, 0, 0, 3)),  # size 1: both ends on one
+     ((5, 3, 4), (-4, 5)), ((2, 4, 6), (3, -7))],  # cropped past one end: every position reads the other
 )
 def test_replication_pad_backward(shape, pad):
     """Gradients of padding the last 1 to 3 dims, negative padding (a crop) included."""

@@ -363,29 +363,35 @@ def replication_pad_backward(imp, node):
     """Gradient of replication padding (negative padding crops), one padded dim at a time.
 
     Output position o of a dim padded by (before, after) reads input clamp(o - before, 0, n - 1):
-    the positions inside pass their gradient straight back, those past either end sum into
-    the first or last input position.
+    the positions that land inside pass their gradient straight back, those past either end sum
+    into the first or last input position.
     """
     g, x = env(imp, node.args[0]), env(imp, node.args[1])
     padding = list(arg(node, 2, "padding"))
-    nd = len(padding) // 2
     sizes = shape(x)
-    for i in range(nd):
+    for i in range(len(padding) // 2):
         dim = len(sizes) - 1 - i  # padding pairs run from the last dim backwards
-        before, after = padding[2 * i], padding[2 * i + 1]
+        before = padding[2 * i]
         n, m = sizes[dim], shape(g)[dim]
-        start, stop = max(before, 0), min(m, n + before)
-        if stop <= start:
-            raise NotImplementedError(f"replication_pad_backward with padding {padding} of an input of {sizes}")
-        widths = [0] * (2 * len(sizes))
-        widths[2 * dim:2 * dim + 2] = [max(-before, 0), max(-after, 0)]
-        grad = emit(imp, op.nn.pad(op.strided_slice(g, [dim], [start], [stop]), widths))
-        for lo, hi, at in ((0, before, 0), (n + before, m, n - 1)):
-            if hi > lo:
-                edge = op.sum(op.strided_slice(g, [dim], [lo], [hi]), axis=[dim], keepdims=True)
-                widths[2 * dim:2 * dim + 2] = [at, n - 1 - at]
-                grad = emit(imp, op.add(grad, op.nn.pad(edge, widths)))
-        g = grad
+
+        def placed(lo, hi, at, summed):
+            """g's positions [lo, hi) along dim (summed to one) as input positions from `at` on."""
+            part = op.strided_slice(g, [dim], [lo], [hi])
+            part = op.sum(part, axis=[dim], keepdims=True) if summed else part
+            widths = [0] * (2 * len(sizes))
+            widths[2 * dim:2 * dim + 2] = [at, n - at - (1 if summed else hi - lo)]
+            return op.nn.pad(part, widths)
+
+        lo, hi = max(before, 0), min(m, n + before)
+        parts = [placed(lo, hi, lo - before, False)] if hi > lo else []
+        if before > 0:
+            parts.append(placed(0, min(before, m), 0, True))
+        if m > n + before:
+            parts.append(placed(max(n + before, 0), m, n - 1, True))
+        grad = parts[0]
+        for part in parts[1:]:
+            grad = op.add(grad, part)
+        g = emit(imp, grad)
     return g
 
 
