@@ -308,16 +308,21 @@ def conv_window(node, first, x):
 def transposed_conv(imp, g, w, stride, padding, dilation, groups, out_size):
     """The transposed convolution of `g` with `w` (read as IOHW) whose spatial size is `out_size`.
 
-    PyTorch's output padding extends the output at the end, into what the padding would crop,
-    and past it with zeros where it reaches further; Relax takes it only below the stride. So
-    the crop at the end is given as padding of its own (no output padding) and zeros are
-    padded on where the output reaches past every window.
+    PyTorch's output padding extends the output at the end, into what the padding would crop
+    and past it; Relax takes output padding only below the stride. Beyond that, the crop at
+    the end is given as padding of its own and zeros are padded on where the output reaches
+    past every window. Where output padding below the stride suffices, the call keeps
+    symmetric padding: the only form library dispatch sends to PyTorch's kernel.
     """
     in_size, k = shape(g)[2:], shape(w)[2:]
     full = [(i - 1) * s + d * (kk - 1) + 1 for i, kk, s, d in zip(in_size, k, stride, dilation)]
+    opad = [o - (f - 2 * p) for o, f, p in zip(out_size, full, padding)]
+    conv = CONV[len(stride)][1]
+    if all(0 <= p < s for p, s in zip(opad, stride)):
+        return emit(imp, conv(g, w, strides=stride, padding=padding, output_padding=opad, dilation=dilation,
+                              groups=groups))
     after = [max(f - p - o, 0) for f, p, o in zip(full, padding, out_size)]
-    out = emit(imp, CONV[len(stride)][1](g, w, strides=stride, padding=[*padding, *after], dilation=dilation,
-                                         groups=groups))
+    out = emit(imp, conv(g, w, strides=stride, padding=[*padding, *after], dilation=dilation, groups=groups))
     short = [o - s for o, s in zip(out_size, shape(out)[2:])]
     if any(short):
         out = emit(imp, relax.op.nn.pad(out, [0, 0, 0, 0] + [n for s in short for n in (0, s)]))
