@@ -53,6 +53,21 @@ def test_max_pool3d_of_a_strided_input():
     check(fn, x, ops=["max_pool3d_with_indices.default", "max_pool3d_with_indices_backward.default"])
 
 
+@pytest.mark.usefixtures("tvm_kernels")
+@pytest.mark.parametrize("cip,div", [(True, None), (False, None), (True, 2)])
+def test_avg_pool3d_of_a_strided_input(cip, div):
+    """Autograd through avg_pool3d of a permuted (non-contiguous) view, windows past the padding."""
+    x = torch.randn(2, 6, 5, 4, 3)
+
+    def fn(x):
+        x = x.detach().requires_grad_()
+        out = F.avg_pool3d(x.permute(0, 4, 3, 2, 1), (3, 2, 3), (2, 1, 2), (1, 1, 0), ceil_mode=True,
+                           count_include_pad=cip, divisor_override=div)
+        return out, torch.autograd.grad(out, x, torch.ones_like(out))[0]
+
+    check(fn, x, ops=["avg_pool3d.default", "avg_pool3d_backward.default"])
+
+
 def test_avg_pool3d_window_corners():
     x = torch.randn(1, 2, 5, 5, 5)
     check(lambda t: torch.nn.functional.avg_pool3d(t, (2, 3, 4), (1, 2, 2), (0, 1, 2), ceil_mode=True,

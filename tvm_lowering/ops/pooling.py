@@ -11,7 +11,7 @@ from .kit import arg, emit, emit_te, env, is_float, out_meta, pair, pool_window
 from .registry import rule
 
 
-# ---- max_pool2d_with_indices / max_pool3d_with_indices -------------------------------------
+# ---- max_pool2d_with_indices / max_pool3d_with_indices ----------------------------------------
 def torch_argmax(dt):
     """(reducer, padding) for PyTorch's CPU max-pool window scan, over (int64 index, value) pairs.
 
