@@ -339,6 +339,7 @@ def test_hf_in_place_updates_keep_no_old_tensor_objects(dev, monkeypatch, native
 
     monkeypatch.setattr(config, "PARAM_ALIASING", True)
     monkeypatch.setattr(config, "NATIVE_RUNNER", native_runner)
+    monkeypatch.setattr(config, "GC_FREEZE", False)  # gc.get_objects() does not list frozen objects
     torch.manual_seed(0)
     model = _gpt2().to(dev)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
