@@ -104,6 +104,21 @@ def test_scripted_attention_gelu_and_dropout_step_builds_for_cuda(dev, build_for
     lm.mark_step()
 
 
+def test_3d_convolutions_pools_and_padding_step_builds_for_cuda(dev, build_for_cuda):
+    """The rank-generic kernels: 3-d and transposed convolution gradients, 3-d max/avg pool
+    gradients and replication padding's gradient."""
+    net = torch.nn.Sequential(torch.nn.ReplicationPad3d(1), torch.nn.Conv3d(2, 4, 3), torch.nn.MaxPool3d(2),
+                              torch.nn.ConvTranspose3d(4, 3, 3, stride=2, output_padding=1),
+                              torch.nn.AvgPool3d(3, 2, 1)).to(dev)
+    x = torch.randn(2, 2, 6, 6, 6).to(dev).requires_grad_()
+    net(x).sum().backward()
+    step = graph.cut([st.value for st in sync.pending_storages()])
+    assert {"convolution_backward.default", "max_pool3d_with_indices_backward.default", "avg_pool3d_backward.default",
+            "replication_pad3d_backward.default"} <= {n.op.__name__ for n in step.nodes}
+    build_for_cuda(tvm_lowering.import_graph(graph.to_fx(step), library=False))
+    lm.mark_step()
+
+
 def test_full_reductions_with_an_epilogue_build_for_cuda(dev, build_for_cuda):
     """A mean over every axis into a 0-d tensor (mse_loss's): dlight's Reduction rule raises on it
     (block_realize check), GeneralReduction schedules it (tvm_lowering/cuda_pipeline.py)."""

@@ -1,5 +1,5 @@
 """Rules of tvm_lowering/ops/backward.py against CPU PyTorch: the backward ops of activations,
-softmax, convolution (every output mask), pooling, embedding and dropout."""
+softmax, convolution (every output mask), pooling, padding, embedding and dropout."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -95,6 +95,49 @@ def test_convolution_backward_1d():
     )
 
 
+# (input shape, weight shape, stride, padding, dilation, transposed, output_padding, groups)
+CONVS = [
+    ((2, 4, 5, 6, 7), (6, 2, 3, 2, 3), [2, 1, 2], [1, 0, 1], [1, 2, 1], False, [0, 0, 0], 2),
+    ((1, 2, 4, 4, 4), (2, 2, 2, 2, 2), [1, 1, 1], [0, 0, 0], [1, 1, 1], False, [0, 0, 0], 1),
+    ((2, 4, 7), (4, 3, 3), [2], [1], [1], True, [1], 2),
+    ((2, 4, 5, 6), (4, 2, 3, 2), [2, 3], [1, 0], [1, 2], True, [1, 2], 2),
+    ((2, 3, 5, 5), (3, 2, 3, 3), [1, 1], [0, 1], [3, 3], True, [2, 2], 1),  # output padding past the stride
+    ((1, 2, 3, 4, 3), (2, 3, 3, 3, 2), [2, 1, 2], [1, 1, 0], [1, 2, 1], True, [1, 1, 0], 1),
+    ((2, 4, 3, 4, 5), (4, 5, 3, 3, 3), [1, 1, 1], [0, 0, 0], [1, 1, 1], True, [0, 0, 0], 1),  # nn.ConvTranspose3d(4, 5, 3)
+]
+
+
+@pytest.mark.usefixtures("tvm_kernels")
+@pytest.mark.parametrize("xs,ws,stride,padding,dilation,transposed,out_pad,groups", CONVS)
+def test_convolution_backward_any_rank(xs, ws, stride, padding, dilation, transposed, out_pad, groups):
+    """1- to 3-d convolutions, plain and transposed: the three gradients of convolution_backward."""
+    x, w = rnd(*xs), rnd(*ws)
+    conv = (stride, padding, dilation, transposed, out_pad, groups)
+    out = aten.convolution.default(x, w, None, *conv)
+    check(
+        lambda g, x, w: aten.convolution_backward.default(g, x, w, [out.shape[1]], *conv, [True, True, True]),
+        torch.randn_like(out), x, w,
+        ops=["convolution_backward.default"],
+    )
+
+
+@pytest.mark.usefixtures("tvm_kernels")
+@pytest.mark.parametrize("xs,ws,stride,padding,dilation,transposed,out_pad,groups", CONVS[::2])
+def test_convolution_autograd_of_a_strided_input(xs, ws, stride, padding, dilation, transposed, out_pad, groups):
+    """Forward and autograd's gradients of a biased convolution whose input is a transposed view."""
+    x, w, b = rnd(*xs).transpose(-1, 1), rnd(*ws), rnd(ws[1] * groups if transposed else ws[0])
+
+    def fn(x, w, b, g):
+        x, w, b = (t.detach().requires_grad_() for t in (x, w, b))
+        out = aten.convolution.default(x.transpose(-1, 1), w, b, stride, padding, dilation, transposed, out_pad,
+                                       groups)
+        return (out, *torch.autograd.grad(out, (x, w, b), g))
+
+    g = torch.randn_like(aten.convolution.default(x.transpose(-1, 1), w, b, stride, padding, dilation, transposed,
+                                                  out_pad, groups))
+    check(fn, x, w, b, g, ops=["convolution.default", "convolution_backward.default"])
+
+
 class In:
     """Marks input `i` in the argument list given to _lower_and_run."""
 
@@ -151,23 +194,42 @@ def test_convolution_backward_output_mask():
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.usefixtures("tvm_kernels")
+@pytest.mark.parametrize("xs,ws,stride,padding,dilation,transposed,out_pad,groups", CONVS[2:4] + CONVS[5:6])
+def test_transposed_convolution_backward_output_mask(xs, ws, stride, padding, dilation, transposed, out_pad, groups):
+    x, w = rnd(*xs), rnd(*ws)
+    conv = [stride, padding, dilation, transposed, out_pad, groups]
+    g = torch.randn_like(aten.convolution.default(x, w, None, *conv))
+    for mask in ([False, True, True], [True, False, False], [False, False, True]):
+        args = (In(0), In(1), In(2), [g.shape[1]], *conv, mask)
+        got = _lower_and_run(aten.convolution_backward.default, args, [g, x, w])
+        want = [t for t, m in zip(aten.convolution_backward.default(g, x, w, *args[3:]), mask) if m]
+        assert len(got) == len(want)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
 # ---- pooling ----------------------------------------------------------------------------------
 @pytest.mark.usefixtures("tvm_kernels")
 @pytest.mark.parametrize(
-    "k,s,p,ceil,cip,div",
-    [([2, 2], [2, 2], [0, 0], False, True, None), ([3, 3], [2, 2], [1, 1], True, False, None),
-     ([3, 2], [1, 2], [1, 1], False, True, None), ([2, 2], [2, 2], [1, 0], True, True, 3)],
+    "shape,k,s,p,ceil,cip,div",
+    [((2, 3, 7, 6), [2, 2], [2, 2], [0, 0], False, True, None),
+     ((2, 3, 7, 6), [3, 3], [2, 2], [1, 1], True, False, None),
+     ((2, 3, 7, 6), [3, 2], [1, 2], [1, 1], False, True, None),
+     ((2, 3, 7, 6), [2, 2], [2, 2], [1, 0], True, True, 3),
+     ((2, 3, 5, 5, 5), [2, 2, 2], [2, 2, 2], [1, 1, 1], False, True, None),
+     ((1, 2, 5, 6, 7), [3, 2, 3], [2, 1, 2], [1, 1, 0], True, False, None),
+     ((3, 4, 4, 4), [2, 2, 2], [1, 2, 1], [0, 1, 1], False, True, 1),  # no batch dim
+     ((1, 3, 7, 7, 7), [5, 1, 1], [1, 1, 1], [2, 0, 0], False, True, None)],  # LocalResponseNorm's window
 )
-def test_avg_pool2d_backward(k, s, p, ceil, cip, div):
-    x = rnd(2, 3, 7, 6)
-    out = aten.avg_pool2d.default(x, k, s, p, ceil, cip, div)
-    g = torch.randn_like(out)
+def test_avg_pool_backward(shape, k, s, p, ceil, cip, div):
+    x = rnd(*shape)
+    pool, pool_backward = ((aten.avg_pool3d.default, aten.avg_pool3d_backward.default) if len(k) == 3 else
+                           (aten.avg_pool2d.default, aten.avg_pool2d_backward.default))
+    g = torch.randn_like(pool(x, k, s, p, ceil, cip, div))
     check(
-        lambda g, x: (
-            aten.avg_pool2d.default(x, k, s, p, ceil, cip, div),
-            aten.avg_pool2d_backward.default(g, x, k, s, p, ceil, cip, div),
-        ),
-        g, x, ops=["avg_pool2d.default", "avg_pool2d_backward.default"],
+        lambda g, x: (pool(x, k, s, p, ceil, cip, div), pool_backward(g, x, k, s, p, ceil, cip, div)),
+        g, x, ops=[pool.__name__, pool_backward.__name__],
     )
 
 
@@ -229,6 +291,37 @@ def test_max_pool_gradient_with_its_own_indices_is_a_gather():
 
     check(other_indices, g, x, torch.randint(0, 48, (2, 3, 3, 4)),
           ops=["max_pool2d_with_indices_backward.default"])
+
+
+# ---- padding ----------------------------------------------------------------------------------
+@pytest.mark.usefixtures("tvm_kernels")
+@pytest.mark.parametrize(
+    "shape,pad",
+    [((3, 4), (1, 1)), ((3, 4, 5), (-1, 2)), ((3, 4, 5, 6), (1, 2, 3, 4)), ((3, 4, 5, 6), (2, -1, 0, 3)),
+     ((3, 4, 5, 6, 7), (1, 2, 3, 4, 5, 6)), ((2, 1, 1, 1, 3), (2, 2, 1, 0, 0, 3)),  # size 1: both ends on one
+     ((5, 3, 4), (-4, 5)), ((2, 4, 6), (3, -7))],  # cropped past one end: every position reads the other
+)
+def test_replication_pad_backward(shape, pad):
+    """Gradients of padding the last 1 to 3 dims, negative padding (a crop) included."""
+    name = f"replication_pad{len(pad) // 2}d"
+    forward, backward = getattr(aten, name).default, getattr(aten, f"{name}_backward").default
+    x = rnd(*shape)
+    g = torch.randn_like(forward(x, pad))
+    check(lambda g, x: backward(g, x, pad), g, x, ops=[backward.__name__])
+
+
+@pytest.mark.usefixtures("tvm_kernels")
+def test_replication_pad3d_autograd_of_a_strided_input():
+    x = rnd(2, 3, 6, 5, 4)
+    pad = (1, 2, 0, 3, 2, 1)
+
+    def fn(x, g):
+        x = x.detach().requires_grad_()
+        out = F.pad(x.transpose(1, 3), pad, mode="replicate")
+        return out, torch.autograd.grad(out, x, g)[0]
+
+    g = torch.randn_like(F.pad(x.transpose(1, 3), pad, mode="replicate"))
+    check(fn, x, g, ops=["replication_pad3d_backward.default"])
 
 
 # ---- embedding --------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """Rules of tvm_lowering/ops/nn.py against CPU PyTorch: losses, normalization, matrix products,
-pixel shuffle, and a small CNN trained end to end."""
+pixel shuffle, transposed convolutions, and a small CNN trained end to end."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -119,6 +119,27 @@ def test_glu_through_tensor_split():
     """glu's decomposition splits with tensor_split.sections: slices, not a CPU run; uneven sections too."""
     x = torch.randn(4, 6)
     check(lambda t: (torch.nn.functional.glu(t, 0), torch.nn.functional.glu(t, -1), torch.tensor_split(t, 4, 1)), x)
+
+
+# ---- convolution ------------------------------------------------------------------------------
+@pytest.mark.usefixtures("tvm_kernels")
+@pytest.mark.parametrize("dt", [torch.float32, torch.float64])
+@pytest.mark.parametrize(
+    "xs,ws,stride,padding,dilation,out_pad,groups",
+    [
+        ((2, 4, 7), (4, 3, 3), [2], [1], [1], [1], 2),
+        ((2, 3, 5, 5), (3, 2, 3, 3), [1, 2], [2, 1], [3, 1], [2, 1], 1),  # output padding past the stride
+        ((1, 2, 3, 4, 3), (2, 3, 3, 3, 2), [2, 1, 2], [1, 1, 0], [1, 2, 1], [1, 1, 0], 2),
+    ],
+)
+def test_transposed_convolution(dt, xs, ws, stride, padding, dilation, out_pad, groups):
+    """1- to 3-d, biased or not, in the input's dtype."""
+    x, w, b = rnd(*xs, dtype=dt), rnd(*ws, dtype=dt), rnd(ws[1] * groups, dtype=dt)
+    check(
+        lambda x, w, b: (aten.convolution.default(x, w, b, stride, padding, dilation, True, out_pad, groups),
+                         aten.convolution.default(x, w, None, stride, padding, dilation, True, out_pad, groups)),
+        x, w, b, ops=["convolution.default"],
+    )
 
 
 # ---- end to end -------------------------------------------------------------------------------

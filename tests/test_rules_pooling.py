@@ -19,19 +19,53 @@ pytestmark = pytest.mark.usefixtures("seeded")
         ((2, 3, 8, 8), [2, 2], [2, 2], [0, 0], [1, 1], False),
         ((1, 2, 7, 9), [3, 2], [2, 1], [1, 1], [1, 2], True),
         ((2, 7, 7), [3, 3], [2, 2], [1, 1], [2, 2], False),  # no batch dim
+        ((2, 3, 5, 5, 5), [2, 2, 2], [2, 2, 2], [0, 0, 0], [1, 1, 1], False),
+        ((1, 2, 5, 6, 7), [3, 2, 2], [2, 1, 2], [1, 0, 1], [1, 2, 1], True),
+        ((2, 4, 5, 6), [2, 3, 2], [1, 2, 2], [1, 1, 0], [2, 1, 1], False),  # no batch dim
     ],
 )
-def test_max_pool2d_with_indices_and_backward(shape, k, s, p, d, ceil):
+def test_max_pool_with_indices_and_backward(shape, k, s, p, d, ceil):
     x = torch.randint(-3, 3, shape).float()  # many ties: first max must win
     x.view(-1)[5] = float("-inf")
     x.view(-1)[[17, 18, 26]] = float("nan")  # NaN wins; among NaNs the last one
+    pool, pool_backward = ((aten.max_pool3d_with_indices.default, aten.max_pool3d_with_indices_backward.default)
+                           if len(k) == 3 else
+                           (aten.max_pool2d_with_indices.default, aten.max_pool2d_with_indices_backward.default))
 
     def fn(x):
-        out, idx = aten.max_pool2d_with_indices.default(x, k, s, p, d, ceil)
-        gi = aten.max_pool2d_with_indices_backward.default(out * 2 + 1, x, k, s, p, d, ceil, idx)
+        out, idx = pool(x, k, s, p, d, ceil)
+        gi = pool_backward(out * 2 + 1, x, k, s, p, d, ceil, idx)
         return out, idx, gi
 
-    check(fn, x, ops=["max_pool2d_with_indices.default", "max_pool2d_with_indices_backward.default"])
+    check(fn, x, ops=[pool.__name__, pool_backward.__name__])
+
+
+@pytest.mark.usefixtures("tvm_kernels")
+def test_max_pool3d_of_a_strided_input():
+    """Autograd through nn.MaxPool3d of a permuted (non-contiguous) view, indices returned."""
+    x = torch.randn(2, 6, 5, 4, 3)
+
+    def fn(x):
+        x = x.detach().requires_grad_()
+        out, idx = F.max_pool3d(x.permute(0, 4, 3, 2, 1), 2, 2, 1, return_indices=True)
+        return out, idx, torch.autograd.grad(out, x, torch.ones_like(out))[0]
+
+    check(fn, x, ops=["max_pool3d_with_indices.default", "max_pool3d_with_indices_backward.default"])
+
+
+@pytest.mark.usefixtures("tvm_kernels")
+@pytest.mark.parametrize("cip,div", [(True, None), (False, None), (True, 2)])
+def test_avg_pool3d_of_a_strided_input(cip, div):
+    """Autograd through avg_pool3d of a permuted (non-contiguous) view, windows past the padding."""
+    x = torch.randn(2, 6, 5, 4, 3)
+
+    def fn(x):
+        x = x.detach().requires_grad_()
+        out = F.avg_pool3d(x.permute(0, 4, 3, 2, 1), (3, 2, 3), (2, 1, 2), (1, 1, 0), ceil_mode=True,
+                           count_include_pad=cip, divisor_override=div)
+        return out, torch.autograd.grad(out, x, torch.ones_like(out))[0]
+
+    check(fn, x, ops=["avg_pool3d.default", "avg_pool3d_backward.default"])
 
 
 def test_avg_pool3d_window_corners():

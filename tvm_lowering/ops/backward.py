@@ -1,8 +1,9 @@
 """Rules for the backward ops autograd emits on the lazy device: of activations, softmax, losses,
-convolution, pooling, normalization and embedding."""
+convolution, pooling, padding, normalization and embedding."""
 import math
 import operator
 
+import numpy as np
 import torch
 from torch import fx
 from tvm import relax, te, tirx
@@ -11,6 +12,7 @@ from .. import pool_grad
 from . import bounds
 from .kit import (arg, cast, dtype, emit, emit_te, env, nll_pick, out_meta, pair, pool_window, scalar, scatter_into,
                   shape, to_dtype, tuple_out, zeros)
+from .nn import CONV, conv_window, transposed_conv
 from .registry import rule
 
 
@@ -161,75 +163,56 @@ def mse_loss_backward(imp, node):
 
 
 # ---- convolution ------------------------------------------------------------------------------
-def _conv_out_padding(in_size, out_size, k, s, p, d):
-    return [i - ((o - 1) * st - 2 * pp + dd * (kk - 1) + 1) for i, o, kk, st, pp, dd in zip(in_size, out_size, k, s, p, d)]
+def _conv_weight_grad(imp, x, g, stride, padding, dilation, groups, k):
+    """grad_weight (O, C/groups, *k) of conv(x, weight) whose output gradient is `g` (N, O, *out):
+
+    grad_w[o, c, i] = sum_{n, j} g[n, o, j] * xpad[n, group(o) * C/groups + c, j * stride + i * dilation],
+    a convolution of x (its batch read as channels) with g as the kernel, stride and dilation swapped.
+    """
+    nsp = len(stride)
+    n, c = shape(x)[:2]
+    sizes = shape(x)[2:]
+    spatial = list(range(2, 2 + nsp))
+    xr = emit(imp, op.reshape(x, [n, groups, c // groups, *sizes]))
+    xr = emit(imp, op.permute_dims(xr, [2, 1, 0, *(d + 1 for d in spatial)]))
+    xr = emit(imp, op.reshape(xr, [c // groups, groups * n, *sizes]))
+    gr = emit(imp, op.permute_dims(g, [1, 0, *spatial]))  # (O, N, *out)
+    gw = emit(imp, CONV[nsp][0](xr, gr, strides=dilation, padding=padding, dilation=stride, groups=groups))
+    gw = emit(imp, op.permute_dims(gw, [1, 0, *spatial]))  # (O, C/groups, *k'), k' >= k
+    if shape(gw)[2:] != list(k):
+        gw = emit(imp, op.strided_slice(gw, spatial, [0] * nsp, list(k)))
+    return gw
 
 
 @rule("convolution_backward.default")
 def convolution_backward(imp, node):
-    g = env(imp, node.args[0])
-    x = env(imp, node.args[1])
-    w = env(imp, node.args[2])
-    stride, padding, dilation = arg(node, 4, "stride"), arg(node, 5, "padding"), arg(node, 6, "dilation")
+    """(grad_input, grad_weight, grad_bias) of a 1-, 2- or 3-d convolution, transposed or not.
+
+    A transposed convolution's input gradient is the plain convolution of g with its weight,
+    and its weight gradient a plain convolution's with the roles of input and output gradient
+    swapped: y = conv_transpose(x, w) is the adjoint of x' = conv(y', w).
+    """
+    g, x, w = (env(imp, a) for a in node.args[:3])
+    stride, padding, dilation = conv_window(node, 4, x)
     transposed = arg(node, 7, "transposed")
     groups = arg(node, 9, "groups")
     mask = _mask(node, 10, "output_mask", 3)
-    if transposed:
-        raise NotImplementedError("convolution_backward for transposed convolutions")
-    nsp = len(shape(x)) - 2
-    if nsp not in (1, 2):
-        raise NotImplementedError(f"convolution_backward with {nsp} spatial dims")
-    stride, padding, dilation = pair(stride, nsp), pair(padding, nsp), pair(dilation, nsp)
-    if nsp == 1:  # lift to 2-D with a unit height
-        g = emit(imp, op.expand_dims(g, 2))
-        x = emit(imp, op.expand_dims(x, 2))
-        w = emit(imp, op.expand_dims(w, 2))
-        stride, padding, dilation = [1] + stride, [0] + padding, [1] + dilation
-    N, C, H, W = shape(x)
-    O, Cg, KH, KW = shape(w)
-    _, _, Ho, Wo = shape(g)
-    G = groups
+    window = (stride, padding, dilation, groups)
+    spatial = list(range(2, len(shape(x))))
     grad_in = grad_w = grad_b = None
-    if mask[0]:
-        # grad_input: transposed conv of grad with the same weight (OIHW read as IOHW).
-        opad = _conv_out_padding((H, W), (Ho, Wo), (KH, KW), stride, padding, dilation)
-        if all(0 <= op_ < max(s, d) for op_, s, d in zip(opad, stride, dilation)):
-            grad_in = emit(
-                imp,
-                op.nn.conv2d_transpose(
-                    g, w, strides=stride, padding=padding, output_padding=opad, dilation=dilation, groups=G
-                ),
-            )
-        else:  # output padding beyond what conv2d_transpose takes: pad the result instead
-            opad0 = [min(p, max(s, d) - 1) for p, s, d in zip(opad, stride, dilation)]
-            gi = emit(
-                imp,
-                op.nn.conv2d_transpose(
-                    g, w, strides=stride, padding=padding, output_padding=opad0, dilation=dilation, groups=G
-                ),
-            )
-            extra = [a - b for a, b in zip(opad, opad0)]
-            grad_in = emit(imp, op.nn.pad(gi, [0, 0, 0, 0, 0, extra[0], 0, extra[1]]))
+    if mask[0] and transposed:
+        # Positions past x's size (output padding of at least the stride) are sliced off.
+        grad_in = emit(imp, CONV[len(stride)][0](g, w, strides=stride, padding=padding, dilation=dilation,
+                                                 groups=groups))
+        if shape(grad_in) != shape(x):
+            grad_in = emit(imp, op.strided_slice(grad_in, spatial, [0] * len(spatial), shape(x)[2:]))
+    elif mask[0]:
+        grad_in = transposed_conv(imp, g, w, *window, shape(x)[2:])
     if mask[1]:
-        # grad_weight[o, c, i, j] = sum_{n,ho,wo} g[n, o, ho, wo] * xpad[n, c, ho*s + i*d, wo*s + j*d]:
-        # a conv of x (batch as channels) with g as kernel, stride/dilation swapped.
-        xr = emit(imp, op.reshape(x, [N, G, Cg, H, W]))
-        xr = emit(imp, op.permute_dims(xr, [2, 1, 0, 3, 4]))
-        xr = emit(imp, op.reshape(xr, [Cg, G * N, H, W]))
-        gr = emit(imp, op.permute_dims(g, [1, 0, 2, 3]))  # (O, N, Ho, Wo), O = G*Og
-        gw = emit(
-            imp,
-            op.nn.conv2d(xr, gr, strides=dilation, padding=padding, dilation=stride, groups=G),
-        )  # (Cg, O, KH', KW')
-        gw = emit(imp, op.permute_dims(gw, [1, 0, 2, 3]))
-        if shape(gw)[2:] != [KH, KW]:
-            gw = emit(imp, op.strided_slice(gw, [2, 3], [0, 0], [KH, KW]))
-        grad_w = gw
+        inp, out_grad = (g, x) if transposed else (x, g)
+        grad_w = _conv_weight_grad(imp, inp, out_grad, *window, shape(w)[2:])
     if mask[2]:
-        grad_b = emit(imp, op.sum(g, axis=[0, 2, 3]))
-    if nsp == 1:
-        grad_in = None if grad_in is None else emit(imp, op.squeeze(grad_in, [2]))
-        grad_w = None if grad_w is None else emit(imp, op.squeeze(grad_w, [2]))
+        grad_b = emit(imp, op.sum(g, axis=[0, *spatial]))
     return tuple_out(imp, node, [grad_in, grad_w, grad_b])
 
 
@@ -265,71 +248,67 @@ def _pool_grad_gather(g, idx, kernel, x_shape):
                                     "max_pool2d_backward_gather")
 
 
-@rule("max_pool2d_with_indices_backward.default")
-def max_pool2d_with_indices_backward(imp, node):
+@rule("max_pool2d_with_indices_backward.default", "max_pool3d_with_indices_backward.default")
+def max_pool_with_indices_backward(imp, node):
+    """Each output gradient added into the input position its max came from."""
     g = env(imp, node.args[0])
     x = env(imp, node.args[1])
     idx = env(imp, arg(node, 7, "indices"))
     xs, gs = shape(x), shape(g)
-    if _pool_indices_in_window(node):  # a gather, per input element: no zero fill, no scatter
+    n = 3 if node.target.__name__.startswith("max_pool3d") else 2
+    if n == 2 and _pool_indices_in_window(node):  # a gather, per input element: no zero fill, no scatter
         return emit_te(imp, _pool_grad_gather, g, idx, pair(arg(node, 2, "kernel_size")), xs,
                        primfunc_name_hint="max_pool2d_backward_gather")
-    lead = xs[:-2]
-    plane = xs[-2] * xs[-1]
-    gflat = emit(imp, op.reshape(g, lead + [gs[-2] * gs[-1]]))
-    iflat = emit(imp, op.reshape(idx, lead + [gs[-2] * gs[-1]]))
-    base = zeros(imp, lead + [plane], dtype(g))
+    lead = xs[:-n]
+    gflat = emit(imp, op.reshape(g, lead + [math.prod(gs[-n:])]))
+    iflat = emit(imp, op.reshape(idx, lead + [math.prod(gs[-n:])]))
+    base = zeros(imp, lead + [math.prod(xs[-n:])], dtype(g))
     out = emit(imp, op.scatter_elements(base, iflat, gflat, axis=len(lead), reduction="add"))
     return emit(imp, op.reshape(out, xs))
 
 
-def _avg_pool_bwd_te(g, H, W, kernel, stride, padding, ceil_mode, count_include_pad, divisor):
-    *lead, Ho, Wo = g.shape
-    kh, kw = kernel
-    sh, sw = stride
-    ph, pw = padding
+def _avg_pool_bwd_te(g, in_sizes, kernel, stride, padding, count_include_pad, divisor):
+    """Each input element gets g / divisor from every window covering it, over the last
+    len(kernel) dims; windows and divisors are those of the forward (pooling._avg_pool_te)."""
+    n = len(kernel)
+    out_sizes = g.shape[-n:]
     dt = str(g.dtype)
 
-    def div_of(oh, ow):
+    def div_of(out_idx):
         if divisor:
             return tirx.const(divisor, "int32")
-        h0, w0 = oh * sh - ph, ow * sw - pw
-        h1, w1 = tirx.min(h0 + kh, H + ph), tirx.min(w0 + kw, W + pw)
-        if count_include_pad:
-            return (h1 - h0) * (w1 - w0)
-        return (tirx.min(h1, H) - tirx.max(h0, 0)) * (tirx.min(w1, W) - tirx.max(w0, 0))
+        starts = [o * s - p for o, s, p in zip(out_idx, stride, padding)]
+        ends = [tirx.min(b + k, size + p) for b, k, size, p in zip(starts, kernel, in_sizes, padding)]
+        if not count_include_pad:
+            starts = [tirx.max(b, 0) for b in starts]
+            ends = [tirx.min(e, size) for e, size in zip(ends, in_sizes)]
+        return math.prod([e - b for b, e in zip(starts, ends)])
 
-    scaled = te.compute(
-        g.shape, lambda *i: g[i] / div_of(i[-2], i[-1]).astype(dt), name="avg_pool_scaled"
-    )
+    scaled = te.compute(g.shape, lambda *i: g[i] / div_of(i[-n:]).astype(dt), name="avg_pool_scaled")
 
     def body(*idx):
-        lead_idx, h, w = idx[:-2], idx[-2], idx[-1]
+        lead_idx, pos = idx[:-n], idx[-n:]
         acc = tirx.const(0, dt)
-        for i in range(kh):
-            nh = h + ph - i
-            oh = tirx.floordiv(nh, sh)
-            vh = tirx.all(nh >= 0, tirx.floormod(nh, sh) == 0, oh < Ho)
-            for j in range(kw):
-                nw = w + pw - j
-                ow = tirx.floordiv(nw, sw)
-                ok = tirx.all(vh, nw >= 0, tirx.floormod(nw, sw) == 0, ow < Wo)
-                acc = acc + tirx.if_then_else(ok, scaled[(*lead_idx, oh, ow)], tirx.const(0, dt))
+        for offs in np.ndindex(*kernel):
+            shifted = [q + p - o for q, p, o in zip(pos, padding, offs)]
+            outs = [tirx.floordiv(v, s) for v, s in zip(shifted, stride)]
+            ok = tirx.all(*[tirx.all(v >= 0, tirx.floormod(v, s) == 0, o < size)
+                            for v, s, o, size in zip(shifted, stride, outs, out_sizes)])
+            acc = acc + tirx.if_then_else(ok, scaled[(*lead_idx, *outs)], tirx.const(0, dt))
         return acc
 
-    return te.compute((*lead, H, W), body, name="avg_pool2d_backward")
+    return te.compute((*g.shape[:-n], *in_sizes), body, name=f"avg_pool{n}d_backward")
 
 
-@rule("avg_pool2d_backward.default")
-def avg_pool2d_backward(imp, node):
+@rule("avg_pool2d_backward.default", "avg_pool3d_backward.default")
+def avg_pool_backward(imp, node):
     g = env(imp, node.args[0])
     x = env(imp, node.args[1])
-    kernel, stride, padding = pool_window(node, first=2)
-    ceil_mode = arg(node, 5, "ceil_mode")
+    n = 3 if node.target.__name__.startswith("avg_pool3d") else 2
+    kernel, stride, padding = pool_window(node, first=2, n=n)
     cip = arg(node, 6, "count_include_pad")
     divisor = arg(node, 7, "divisor_override")
-    H, W = shape(x)[-2:]
-    return emit_te(imp, _avg_pool_bwd_te, g, H, W, kernel, stride, padding, ceil_mode, cip, divisor)
+    return emit_te(imp, _avg_pool_bwd_te, g, shape(x)[-n:], kernel, stride, padding, cip, divisor)
 
 
 def _adaptive_avg_bwd_te(g, in_sizes):
@@ -375,6 +354,45 @@ def adaptive_max_pool_backward(imp, node):
     where = emit(imp, relax.op.reshape(indices, [planes, math.prod(gs[-nd:])]))
     out = scatter_into(imp, zeros(imp, flat, dtype(grad)), 1, where, grads, "sum")
     return emit(imp, relax.op.reshape(out, xs))
+
+
+# ---- padding ----------------------------------------------------------------------------------
+@rule("replication_pad1d_backward.default", "replication_pad2d_backward.default",
+      "replication_pad3d_backward.default")
+def replication_pad_backward(imp, node):
+    """Gradient of replication padding (negative padding crops), one padded dim at a time.
+
+    Output position o of a dim padded by (before, after) reads input clamp(o - before, 0, n - 1):
+    the positions that land inside pass their gradient straight back, those past either end sum
+    into the first or last input position.
+    """
+    g, x = env(imp, node.args[0]), env(imp, node.args[1])
+    padding = list(arg(node, 2, "padding"))
+    sizes = shape(x)
+    for i in range(len(padding) // 2):
+        dim = len(sizes) - 1 - i  # padding pairs run from the last dim backwards
+        before = padding[2 * i]
+        n, m = sizes[dim], shape(g)[dim]
+
+        def placed(lo, hi, at, summed):
+            """g's positions [lo, hi) along dim (summed to one) as input positions from `at` on."""
+            part = op.strided_slice(g, [dim], [lo], [hi])
+            part = op.sum(part, axis=[dim], keepdims=True) if summed else part
+            widths = [0] * (2 * len(sizes))
+            widths[2 * dim:2 * dim + 2] = [at, n - at - (1 if summed else hi - lo)]
+            return op.nn.pad(part, widths)
+
+        lo, hi = max(before, 0), min(m, n + before)
+        parts = [placed(lo, hi, lo - before, False)] if hi > lo else []
+        if before > 0:
+            parts.append(placed(0, min(before, m), 0, True))
+        if m > n + before:
+            parts.append(placed(max(n + before, 0), m, n - 1, True))
+        grad = parts[0]
+        for part in parts[1:]:
+            grad = op.add(grad, part)
+        g = emit(imp, grad)
+    return g
 
 
 # ---- normalization ----------------------------------------------------------------------------

@@ -120,14 +120,14 @@ def pair(v, n=2):
     return v * n if len(v) == 1 else v
 
 
-def pool_window(node, first=1):
-    """(kernel, stride, padding) of a 2-D pooling call whose kernel_size is argument `first`.
+def pool_window(node, first=1, n=2):
+    """(kernel, stride, padding) of an `n`-d pooling call whose kernel_size is argument `first`.
 
     stride defaults to the kernel, as in PyTorch.
     """
-    kernel = pair(arg(node, first, "kernel_size"))
+    kernel = pair(arg(node, first, "kernel_size"), n)
     stride = arg(node, first + 1, "stride", None)
-    return kernel, pair(stride) if stride else kernel, pair(arg(node, first + 2, "padding", 0))
+    return kernel, pair(stride, n) if stride else kernel, pair(arg(node, first + 2, "padding", 0), n)
 
 
 # ---- bfloat16 rounding ------------------------------------------------------------------------

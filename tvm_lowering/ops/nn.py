@@ -1,4 +1,4 @@
-"""Neural-network forward ops: losses, normalization, softmax, matrix products, pixel shuffle.
+"""Neural-network forward ops: losses, normalization, softmax, matrix products, convolution, pixel shuffle.
 
 Their backward ops are in backward.py, pooling in pooling.py.
 """
@@ -7,7 +7,7 @@ import math
 import numpy as np
 from tvm import relax
 
-from .kit import arg, cast, dtype, emit, env, flatten, nll_pick, out_meta, scalar, shape, to_dtype, zeros
+from .kit import arg, cast, dtype, emit, env, flatten, nll_pick, out_meta, pair, scalar, shape, to_dtype, zeros
 from .registry import rule
 
 
@@ -285,6 +285,63 @@ def addbmm(imp, node):
         scaled = scaled if beta == 1 else emit(imp, relax.op.multiply(scaled, relax.const(beta, acc)))
         out = emit(imp, relax.op.add(out, relax.op.broadcast_to(scaled, shp)))
     return to_dtype(imp, out, dt)
+
+
+# ---- convolution ------------------------------------------------------------------------------
+# Relax's convolutions by spatial rank: (convolution, transposed convolution).
+CONV = {
+    1: (relax.op.nn.conv1d, relax.op.nn.conv1d_transpose),
+    2: (relax.op.nn.conv2d, relax.op.nn.conv2d_transpose),
+    3: (relax.op.nn.conv3d, relax.op.nn.conv3d_transpose),
+}
+
+
+def conv_window(node, first, x):
+    """(stride, padding, dilation) of a convolution call whose stride is argument `first`, one
+    int per spatial dim of its input `x`."""
+    nsp = len(shape(x)) - 2
+    if nsp not in CONV:
+        raise NotImplementedError(f"a convolution with {nsp} spatial dims")
+    return [pair(arg(node, first + i, name), nsp) for i, name in enumerate(("stride", "padding", "dilation"))]
+
+
+def transposed_conv(imp, g, w, stride, padding, dilation, groups, out_size):
+    """The transposed convolution of `g` with `w` (read as IOHW) whose spatial size is `out_size`.
+
+    PyTorch's output padding extends the output at the end, into what the padding would crop
+    and past it; Relax takes output padding only below the stride. Beyond that, the crop at
+    the end is given as padding of its own and zeros are padded on where the output reaches
+    past every window. Where output padding below the stride suffices, the call keeps
+    symmetric padding: the only form library dispatch sends to PyTorch's kernel.
+    """
+    in_size, k = shape(g)[2:], shape(w)[2:]
+    full = [(i - 1) * s + d * (kk - 1) + 1 for i, kk, s, d in zip(in_size, k, stride, dilation)]
+    opad = [o - (f - 2 * p) for o, f, p in zip(out_size, full, padding)]
+    conv = CONV[len(stride)][1]
+    if all(0 <= p < s for p, s in zip(opad, stride)):
+        return emit(imp, conv(g, w, strides=stride, padding=padding, output_padding=opad, dilation=dilation,
+                              groups=groups))
+    after = [max(f - p - o, 0) for f, p, o in zip(full, padding, out_size)]
+    out = emit(imp, conv(g, w, strides=stride, padding=[*padding, *after], dilation=dilation, groups=groups))
+    short = [o - s for o, s in zip(out_size, shape(out)[2:])]
+    if any(short):
+        out = emit(imp, relax.op.nn.pad(out, [0, 0, 0, 0] + [n for s in short for n in (0, s)]))
+    return out
+
+
+@rule("convolution.default")
+def convolution(imp, node):
+    """A transposed convolution of any spatial rank in the input's dtype (TVM's rule has none in 3-d
+    and makes every one float32); plain convolutions are TVM's."""
+    if not arg(node, 6, "transposed"):
+        return imp.tvm_rules["convolution.default"](node)
+    x, w, b = env(imp, node.args[0]), env(imp, node.args[1]), env(imp, arg(node, 2, "bias"))
+    stride, padding, dilation = conv_window(node, 3, x)
+    out_shape, _ = out_meta(node)
+    out = transposed_conv(imp, x, w, stride, padding, dilation, arg(node, 8, "groups"), out_shape[2:])
+    if b is not None:
+        out = emit(imp, relax.op.add(out, relax.op.reshape(b, [-1] + [1] * len(stride))))
+    return out
 
 
 # ---- attention --------------------------------------------------------------------------------

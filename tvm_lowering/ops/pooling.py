@@ -11,7 +11,7 @@ from .kit import arg, emit, emit_te, env, is_float, out_meta, pair, pool_window
 from .registry import rule
 
 
-# ---- max_pool2d_with_indices ------------------------------------------------------------------
+# ---- max_pool2d_with_indices / max_pool3d_with_indices ----------------------------------------
 def torch_argmax(dt):
     """(reducer, padding) for PyTorch's CPU max-pool window scan, over (int64 index, value) pairs.
 
@@ -44,38 +44,37 @@ def torch_argmax(dt):
     return te.comm_reducer(combine, identity, name="torch_argmax"), (big, ninf)
 
 
-def _maxpool_te(x, kernel, stride, padding, dilation, out_hw):
-    """Values and int64 flat indices (h*W+w) of a 2-D max pool over the last two dims (see torch_argmax)."""
-    *lead, H, W = x.shape
-    kh, kw = kernel
-    sh, sw = stride
-    ph, pw = padding
-    dh, dw = dilation
-    Ho, Wo = out_hw
+def _maxpool_te(x, kernel, stride, padding, dilation, out_sizes):
+    """Values and int64 flat indices (in each plane or volume, row-major) of a max pool over the
+    last len(kernel) dims (see torch_argmax)."""
+    n = len(kernel)
+    sizes = x.shape[-n:]
     argmax, (big, ninf) = torch_argmax(str(x.dtype))
-    ri = te.reduce_axis((0, kh), name="ki")
-    rj = te.reduce_axis((0, kw), name="kj")
+    axes = [te.reduce_axis((0, k), name=f"k{i}") for i, k in enumerate(kernel)]
 
     def body(*idx):
-        lead_idx, oh, ow = idx[:-2], idx[-2], idx[-1]
-        h = oh * sh - ph + ri * dh
-        w = ow * sw - pw + rj * dw
-        valid = tirx.all(h >= 0, h < H, w >= 0, w < W)
-        v = tirx.if_then_else(valid, x[(*lead_idx, h, w)], ninf)
-        i = tirx.Select(valid, (h * W + w).astype("int64"), big)
-        return argmax((i, v), axis=[ri, rj])
+        lead_idx, out_idx = idx[:-n], idx[-n:]
+        pos = [o * s - p + r * d for o, s, p, r, d in zip(out_idx, stride, padding, axes, dilation)]
+        valid = tirx.all(*[tirx.all(q >= 0, q < size) for q, size in zip(pos, sizes)])
+        flat = pos[0]
+        for q, size in zip(pos[1:], sizes[1:]):
+            flat = flat * size + q
+        v = tirx.if_then_else(valid, x[(*lead_idx, *pos)], ninf)
+        i = tirx.Select(valid, flat.astype("int64"), big)
+        return argmax((i, v), axis=axes)
 
-    inds, vals = te.compute((*lead, Ho, Wo), body, name="max_pool2d_with_indices")
+    inds, vals = te.compute((*x.shape[:-n], *out_sizes), body, name=f"max_pool{n}d_with_indices")
     return vals, inds
 
 
-@rule("max_pool2d_with_indices.default")
-def max_pool2d_with_indices(imp, node):
+@rule("max_pool2d_with_indices.default", "max_pool3d_with_indices.default")
+def max_pool_with_indices(imp, node):
     x = env(imp, node.args[0])
-    kernel, stride, padding = pool_window(node)
-    dilation = pair(arg(node, 4, "dilation", 1))
+    n = 3 if node.target.__name__.startswith("max_pool3d") else 2
+    kernel, stride, padding = pool_window(node, n=n)
+    dilation = pair(arg(node, 4, "dilation", 1), n)
     out_shape, _ = out_meta(node, 0)
-    out = emit_te(imp, _maxpool_te, x, kernel, stride, padding, dilation, out_shape[-2:])
+    out = emit_te(imp, _maxpool_te, x, kernel, stride, padding, dilation, out_shape[-n:])
     vals = emit(imp, relax.TupleGetItem(out, 0))
     inds = emit(imp, relax.TupleGetItem(out, 1))
     return emit(imp, relax.Tuple([vals, inds]))
