@@ -61,6 +61,26 @@ def test_layer_norm_forward_backward():
 
 
 @pytest.mark.usefixtures("tvm_kernels")
+@pytest.mark.parametrize("shape,affine", [((0, 5), "both"), ((4, 2, 5), "none"), ((4, 2, 5), "weight")],
+                         ids=["empty_batch", "no_affine", "no_bias"])
+def test_layer_norm_backward_without_affine_parts_or_batch(shape, affine):
+    """nn.LayerNorm(elementwise_affine=False), (bias=False), and a batch of none: zero gradients
+    for weight and bias summed over no rows."""
+    x = rnd(*shape)
+    w = rnd(5) if affine != "none" else None
+    b = rnd(5) if affine == "both" else None
+
+    def fn(x, w, b):
+        out, mean, rstd = aten.native_layer_norm.default(x, [5], w, b, 1e-3)
+        mask = [True, w is not None, b is not None]
+        grads = aten.native_layer_norm_backward.default(out * 3 + 1, x, [5], mean, rstd, w, b, mask)
+        return (out,) + tuple(g for g in grads if g is not None)
+
+    forward = ["native_layer_norm.default"] if x.numel() else []  # empty outputs are data, not a node
+    check(fn, x, w, b, ops=forward + ["native_layer_norm_backward.default"])
+
+
+@pytest.mark.usefixtures("tvm_kernels")
 @pytest.mark.parametrize("training", [True, False])
 def test_batch_norm(training):
     x, w, b = rnd(4, 3, 2, 2), rnd(3), rnd(3)
