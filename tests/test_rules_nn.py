@@ -47,6 +47,53 @@ def test_mse_loss():
               x, t, g, ops=["mse_loss.default", "mse_loss_backward.default"])
 
 
+@pytest.mark.usefixtures("tvm_kernels")
+@pytest.mark.parametrize("p,margin,weighted", [(1, 1.0, False), (2, 0.5, True), (1, 0.3, True)])
+@pytest.mark.parametrize("reduction", [0, 1, 2])
+def test_multi_margin_loss_backward(p, margin, weighted, reduction):
+    x, y = rnd(5, 4), torch.tensor([0, 3, 1, 1, 2])
+    w = torch.rand(4) if weighted else None
+
+    def fn(x, y, w):
+        out = aten.multi_margin_loss.default(x, y, p, margin, w, reduction)
+        g = out * 3 + 1  # any output gradient, per sample where reduction is 0
+        return out, aten.multi_margin_loss_backward.default(g, x, y, p, margin, w, reduction)
+
+    check(fn, x, y, w, ops=["gather.default", "where.self"])  # decomposed
+
+
+@pytest.mark.usefixtures("tvm_kernels")
+def test_multi_margin_loss_backward_of_one_sample():
+    x, y = rnd(4), torch.tensor(2)
+    check(lambda x, y: aten.multi_margin_loss_backward.default(torch.tensor(0.7), x, y, 2, 1.0, None, 0), x, y,
+          ops=["gather.default", "where.self"])  # decomposed
+
+
+@pytest.mark.usefixtures("tvm_kernels")
+@pytest.mark.parametrize("bias", [True, False])
+def test_bilinear_forward_and_gradients(bias):
+    """nn.Bilinear is _trilinear, and so are its gradients."""
+    x1, x2, w = rnd(4, 3), rnd(4, 5), rnd(2, 3, 5)
+    b = rnd(2) if bias else None
+
+    def fn(x1, x2, w, b):
+        leaves = [t.detach().requires_grad_() for t in (x1, x2, w)]
+        out = torch.nn.functional.bilinear(*leaves, b)
+        return (out,) + torch.autograd.grad(out, leaves, out * 2 + 1)
+
+    check(fn, x1, x2, w, b, ops=["_trilinear.default"])
+
+
+@pytest.mark.usefixtures("tvm_kernels")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_trilinear_any_expand_and_sum_dims(dtype):
+    a, b, c = rnd(2, 3, dtype=dtype), rnd(3, 4, dtype=dtype), rnd(2, 4, dtype=dtype)
+    check(lambda a, b, c: (aten._trilinear.default(a, b, c, [2], [0], [1], [1]),
+                           aten._trilinear.default(a, b, c, [-1], [0], [1], [0, 1, 2], 0),
+                           aten._trilinear.default(a, b, c, [2], [0], [1], [])),
+          a, b, c, ops=["_trilinear.default"])
+
+
 # ---- normalization ----------------------------------------------------------------------------
 @pytest.mark.usefixtures("tvm_kernels")
 def test_layer_norm_forward_backward():

@@ -287,6 +287,26 @@ def addbmm(imp, node):
     return to_dtype(imp, out, dt)
 
 
+@rule("_trilinear.default")
+def trilinear(imp, node):
+    """The sum over `sumdim` of i1 * i2 * i3, each first unsqueezed at its `expand` dims (nn.Bilinear,
+    and the gradients autograd makes of it, which are _trilinear again): one broadcast product and
+    one sum, which fuse into one kernel (nothing of the product's size is stored)."""
+    ins = [env(imp, a) for a in node.args[:3]]
+    total = len(shape(ins[0])) + len(arg(node, 3, "expand1"))
+    expands = [{d % total for d in arg(node, 3 + i, f"expand{i + 1}")} for i in range(3)]
+    sumdim = sorted({d % total for d in arg(node, 6, "sumdim")})
+    shp, dt = out_meta(node)
+    acc = "float32" if dt in ("float16", "bfloat16") else dt
+    prod = None
+    for x, expand in zip(ins, expands):
+        sizes = iter(shape(x))
+        x = emit(imp, relax.op.reshape(cast(imp, x, acc), [1 if d in expand else next(sizes) for d in range(total)]))
+        prod = x if prod is None else emit(imp, relax.op.multiply(prod, x))
+    out = emit(imp, relax.op.sum(prod, axis=sumdim)) if sumdim else prod
+    return to_dtype(imp, emit(imp, relax.op.reshape(out, shp)), dt)
+
+
 # ---- attention --------------------------------------------------------------------------------
 @rule("scaled_dot_product_attention.default")
 def scaled_dot_product_attention(imp, node):

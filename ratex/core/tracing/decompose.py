@@ -175,6 +175,32 @@ def _slice_backward(grad, input_sizes, dim, start, end, step):
     return aten.slice_scatter.default(_zeros(input_sizes, grad), grad, dim, start, end, step)
 
 
+# ---- loss gradients PyTorch has no decomposition for -----------------------------------------
+@register(aten.multi_margin_loss_backward.default, tier=DECOMPOSITION)
+def _multi_margin_loss_backward(grad, x, target, p, margin, weight=None, reduction=1):
+    """nn.MultiMarginLoss's input gradient, as ATen's CPU kernel computes it: each class j whose
+    margin term z_j = margin - x[y] + x[j] is positive gets (1 or 2 z_j) * w[y] / classes (and / rows
+    for a mean), the target class minus their sum; times the output gradient. Inputs ATen refuses
+    (p other than 1 and 2, mismatched shapes) take the op's own path, which raises ATen's error."""
+    rows = x.view(1, -1) if x.dim() == 1 else x
+    if p not in (1, 2) or rows.dim() != 2 or target.numel() != rows.shape[0] or 0 in rows.shape \
+            or (weight is not None and weight.numel() != rows.shape[1]):
+        return NotImplemented
+    n, classes = rows.shape
+    target = target.reshape(n, 1)
+    z = aten.add.Tensor(aten.sub.Tensor(rows, aten.gather.default(rows, 1, target)), margin)
+    is_target = aten.eq.Tensor(torch.arange(classes, device=x.device).view(1, classes), target)
+    active = aten.logical_and.default(aten.gt.Scalar(z, 0), aten.logical_not.default(is_target))
+    scale = 1.0 / (classes * n) if reduction == 1 else 1.0 / classes
+    h = aten.mul.Tensor(z, 2 * scale) if p == 2 else aten.full_like.default(z, scale)
+    if weight is not None:
+        h = aten.mul.Tensor(h, aten.index_select.default(weight, 0, target.reshape(n)).view(n, 1))
+    h = aten.where.self(active, h, aten.zeros_like.default(h))
+    h = aten.where.self(is_target, aten.neg.default(aten.sum.dim_IntList(h, [1], True)), h)
+    per_row = grad if grad.dim() == 0 else grad.reshape(-1, 1)  # a 0-dim one may be a CPU scalar
+    return aten.mul.Tensor(h, per_row).view(x.shape)
+
+
 @register(aten._safe_softmax.default, tier=DECOMPOSITION)
 def _safe_softmax(x, dim, dtype=None):
     """softmax, but 0 (not NaN) for rows that are entirely -inf (masked-out attention rows)."""
