@@ -274,6 +274,16 @@ def test_lazy_batchnorm_buffers_materialize_on_lazy(dev):
         torch.testing.assert_close(b.cpu(), dict(cpu.named_buffers())[name], msg=name)
 
 
+def test_uninitialized_lazy_module_on_lazy_loads_a_state_dict(dev):
+    """Loading a checkpoint materializes the parameters with the checkpoint's shapes, as on CUDA."""
+    ref = nn.Linear(4, 3)
+    model = nn.LazyLinear(3).to(dev)
+    model.load_state_dict(ref.state_dict())
+    assert model.weight.device == dev and not isinstance(model.weight, nn.UninitializedParameter)
+    x = torch.randn(2, 4)
+    torch.testing.assert_close(model(x.to(dev)).cpu(), ref(x))
+
+
 def test_uninitialized_lazy_parameters_cast_on_lazy_and_refuse_to_leave_it(dev):
     """A dtype cast keeps them uninitialized (as on CUDA); moving them back to the CPU, where they
     would silently come back initialized and empty, is a clear error."""
