@@ -201,6 +201,20 @@ def _multi_margin_loss_backward(grad, x, target, p, margin, weight=None, reducti
     return aten.mul.Tensor(h, per_row).view(x.shape)
 
 
+@register(aten.fractional_max_pool2d_backward.default, aten.fractional_max_pool3d_backward.default,
+          tier=DECOMPOSITION)
+def _fractional_max_pool_backward(grad, x, kernel_size, output_size, indices):
+    """Each output gradient added into the input position its max came from (`indices`: flat
+    positions in each plane): a scatter_add per plane. The 3-D op has no meta kernel to trace."""
+    nd = len(kernel_size)
+    if tuple(grad.shape) != tuple(indices.shape) or x.dim() not in (nd + 1, nd + 2):
+        return NotImplemented  # the op's own path raises ATen's error
+    planes, volume = x.shape[:-nd].numel(), x.shape[-nd:].numel()
+    out = aten.scatter_add.default(_zeros([planes, volume], grad), 1, indices.reshape(planes, -1),
+                                   grad.reshape(planes, -1))
+    return out.view(x.shape)
+
+
 @register(aten._safe_softmax.default, tier=DECOMPOSITION)
 def _safe_softmax(x, dim, dtype=None):
     """softmax, but 0 (not NaN) for rows that are entirely -inf (masked-out attention rows)."""
