@@ -63,10 +63,44 @@ def test_multi_margin_loss_backward(p, margin, weighted, reduction):
 
 
 @pytest.mark.usefixtures("tvm_kernels")
-def test_multi_margin_loss_backward_of_one_sample():
-    x, y = rnd(4), torch.tensor(2)
+@pytest.mark.parametrize("shape", [(4,), ()], ids=["1d", "0d"])
+def test_multi_margin_loss_backward_of_one_sample(shape):
+    x, y = torch.randn(shape), torch.tensor(2 if shape else 0)
     check(lambda x, y: aten.multi_margin_loss_backward.default(torch.tensor(0.7), x, y, 2, 1.0, None, 0), x, y,
           ops=["gather.default", "where.self"])  # decomposed
+
+
+@pytest.mark.usefixtures("tvm_kernels")
+@pytest.mark.parametrize("reduction", [0, 1, 2])
+@pytest.mark.parametrize("rows", [True, False], ids=["batch", "one_sample"])
+def test_multilabel_margin_loss_forward_backward(reduction, rows):
+    """Targets end at the first -1 (what follows is ignored); a target listed twice counts twice."""
+    x = rnd(4, 5) if rows else rnd(5)
+    y = (torch.tensor([[2, 2, -1, 0, 0], [4, -1, 1, 1, 1], [0, 1, 2, 3, 4], [-1, 3, 3, 3, 3]]) if rows
+         else torch.tensor([3, 0, -1, 4, 4]))
+
+    def fn(x, y):
+        out, is_target = aten.multilabel_margin_loss_forward.default(x, y, reduction)
+        g = out * 3 + 1  # any output gradient, per sample where reduction is 0
+        return out, is_target, aten.multilabel_margin_loss_backward.default(g, x, y, reduction, is_target)
+
+    check(fn, x, y, ops=["multilabel_margin_loss_forward.default", "gather.default"])  # the backward decomposes
+
+
+@pytest.mark.usefixtures("tvm_kernels")
+@pytest.mark.parametrize("reduction", [0, 1])
+def test_multilabel_margin_loss_of_a_0_dim_input(reduction):
+    def fn(x, y):
+        out, is_target = aten.multilabel_margin_loss_forward.default(x, y, reduction)
+        return out, is_target, aten.multilabel_margin_loss_backward.default(out + 1, x, y, reduction, is_target)
+
+    check(fn, torch.randn(()), torch.tensor(0), ops=["multilabel_margin_loss_forward.default"])
+
+
+def test_multilabel_margin_loss_target_out_of_range_raises(dev):
+    x = rnd(2, 4).to(dev)
+    with pytest.raises(IndexError, match="index -2 is out of bounds .*multilabel_margin_loss_forward.*valid are -1 to 3"):
+        F.multilabel_margin_loss(x, torch.tensor([[1, -2, 0, 0], [0, -1, 0, 0]]).to(dev)).cpu()
 
 
 @pytest.mark.usefixtures("tvm_kernels")
