@@ -437,10 +437,16 @@ def _spread(items, k):
 
 
 def _build_module(info, cargs, ckwargs, seed):
+    """The entry's module, its floating-point parameters and buffers in float32.
+
+    As PyTorch's own TestModule does (`m.to(device).to(dtype)`): a constructor input may come in
+    another dtype (FractionalMaxPool's `_random_samples` are float64, a buffer the float32 input
+    must match).
+    """
     import torch
 
     torch.manual_seed(seed)
-    return info.module_cls(*cargs, **ckwargs)
+    return info.module_cls(*cargs, **ckwargs).to(torch.float32)
 
 
 def _grads_of(tensors):

@@ -42,6 +42,8 @@ CASES = {
     "take": ([0, 19, -1, -20], 20, True, "aten.take.default"),
     "put": ([0, -1, 7], 20, True, "aten.put.default"),
     "nll_loss": ([0, 4, -100, 1], 5, False, "aten.nll_loss_forward.default"),  # -100: ignore_index
+    "index_add": ([0, 3, 0], 4, False, "aten.index_add.default"),
+    "index_copy": ([2, 0, 3], 4, False, "aten.index_copy.default"),
 }
 NAMES = tuple(CASES)
 
@@ -49,8 +51,9 @@ NAMES = tuple(CASES)
 def ops(x, w, b, idx, scripted=False):
     """Every checked op, each reading its own index tensor: a dict name -> output.
 
-    `scripted`: for ratex.jit.script's forward, where TVM differentiates. There the gather
-    reads the buffer b, since Relax has no gradient for gather_elements; and the
+    `scripted`: for ratex.jit.script's forward, where TVM differentiates. There the gather,
+    index_add and index_copy read the buffer b, since Relax has no gradient for gather_elements
+    or scatters; and the
     log-probabilities stand in for nll_loss, which the converter lacks (the loss of a scripted
     model is computed outside it anyway)."""
     logp = F.log_softmax(x, 1)
@@ -66,6 +69,8 @@ def ops(x, w, b, idx, scripted=False):
         "take": x.take(idx["take"]),
         "put": b.put(idx["put"], b[0, :3] + 1, accumulate=True),
         "nll_loss": logp if scripted else F.nll_loss(logp, idx["nll_loss"]),
+        "index_add": (b if scripted else x).index_add(0, idx["index_add"], b[1:] * 2, alpha=0.5),
+        "index_copy": (b if scripted else x).index_copy(0, idx["index_copy"], b[:3] + 1),
     }
 
 

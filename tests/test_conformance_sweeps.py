@@ -26,6 +26,7 @@ MODULES = [
     ("nn.Embedding", "train"), ("nn.GELU", "train"), ("nn.Softmax", "train"), ("nn.LogSoftmax", "train"),
     ("nn.Hardshrink", "train"), ("nn.Softshrink", "train"), ("nn.CELU", "train"), ("nn.MultiheadAttention", "train"),
     ("nn.LazyConv1d", "train"), ("nn.BCELoss", "train"), ("nn.HuberLoss", "train"), ("nn.Bilinear", "train"),
+    ("nn.FractionalMaxPool2d", "train"),
 ]
 OPTIMS = [
     ("Adam/default", "foreach"), ("AdamW/amsgrad", "forloop"), ("SGD/nesterov", "foreach"),

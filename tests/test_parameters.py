@@ -205,16 +205,95 @@ def test_gpt2_with_tied_head_trains_like_cpu(dev):
     torch.testing.assert_close(model.transformer.wte.weight.cpu(), cpu.transformer.wte.weight, rtol=1e-4, atol=1e-5)
 
 
-def test_uninitialized_lazy_module_refuses_to_move_and_stays_usable(dev):
-    """A torch.nn Lazy* module before its first call has no shapes to move: a clear error, and
-    the module still initializes and moves after a CPU call."""
-    m = torch.nn.LazyLinear(3)
-    with pytest.raises(RuntimeError, match="uninitialized UninitializedParameter.*call the module once"):
-        m.to(dev)
-    x = torch.randn(2, 5)
-    want = m(x)
-    m.to(dev)
-    torch.testing.assert_close(m(x.to(dev)).cpu(), want)
+def _lazy_pair(make, x):
+    """A torch.nn Lazy* module initialized by a CPU call, and a copy moved to the lazy device before its first call."""
+    torch.manual_seed(0)
+    cpu, moved = make(), make()
+    cpu(x)
+    return cpu, moved.to(torch.device("lazy", 0))
+
+
+@pytest.mark.parametrize("make,shape", [
+    (lambda: nn.LazyLinear(3), (4, 5)),
+    (lambda: nn.LazyConv2d(4, 3), (2, 3, 6, 6)),
+    (lambda: nn.LazyConvTranspose1d(2, 3), (2, 3, 5)),
+], ids=["LazyLinear", "LazyConv2d", "LazyConvTranspose1d"])
+def test_lazy_module_moved_before_its_first_call_materializes_on_lazy_and_trains_like_cpu(dev, make, shape):
+    """As on CUDA, `.to()` keeps a Lazy* module's parameters uninitialized; the first call on lazy
+    inputs gives them their shapes on the lazy device and initializes them there."""
+    x = torch.randn(shape)
+    cpu, model = _lazy_pair(make, x)
+    assert isinstance(model.weight, nn.UninitializedParameter) and model.weight.device == dev
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)  # the same objects become the parameters
+    with torch.no_grad():
+        model(x.to(dev))
+    for (name, p), q in zip(model.named_parameters(), cpu.parameters()):
+        assert type(p) is type(cpu.weight.to(dev)) and isinstance(p, nn.Parameter), name
+        assert p.device == dev and p.shape == q.shape and p.requires_grad, name
+        bound = cpu.weight[0].numel() ** -0.5  # reset_parameters' uniform bound: 1/sqrt(fan_in)
+        init = p.detach().cpu()
+        assert init.abs().max() <= bound and init.std() > 0, f"{name} is not a uniform draw: {init}"
+    with torch.no_grad():  # ratex draws from its own generator: start from CPU's values
+        for p, q in zip(model.parameters(), cpu.parameters()):
+            p.copy_(q.to(dev))
+    ref = torch.optim.SGD(cpu.parameters(), lr=0.1)
+    for _ in range(3):
+        for m, o, inp in ((cpu, ref, x), (model, opt, x.to(dev))):
+            o.zero_grad()
+            m(inp).pow(2).mean().backward()
+            o.step()
+        lm.mark_step()
+    for (name, p), q in zip(model.named_parameters(), cpu.parameters()):
+        torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_lazy_module_initial_values_repeat_under_the_same_seed(dev):
+    """The random initialization on the lazy device follows torch.manual_seed, as on CPU."""
+    x = torch.randn(2, 5).to(dev)
+
+    def init(seed):
+        torch.manual_seed(seed)
+        m = nn.LazyLinear(3).to(dev)
+        m(x)
+        return m.weight.detach().cpu(), m.bias.detach().cpu()
+
+    first, again, other = init(0), init(0), init(1)
+    torch.testing.assert_close(first, again, rtol=0, atol=0)
+    assert not torch.equal(first[0], other[0])
+
+
+def test_lazy_batchnorm_buffers_materialize_on_lazy(dev):
+    """Uninitialized buffers (LazyBatchNorm's running statistics) move and materialize like parameters."""
+    x = torch.randn(6, 3)
+    cpu, model = _lazy_pair(lambda: nn.LazyBatchNorm1d(), x[:1].repeat(2, 1))
+    cpu.reset_running_stats()
+    assert isinstance(model.running_mean, nn.UninitializedBuffer) and model.running_mean.device == dev
+    torch.testing.assert_close(model(x.to(dev)).cpu(), cpu(x))
+    for name, b in model.named_buffers():
+        assert b.device == dev and not isinstance(b, nn.UninitializedBuffer), name
+        torch.testing.assert_close(b.cpu(), dict(cpu.named_buffers())[name], msg=name)
+
+
+def test_uninitialized_lazy_module_on_lazy_loads_a_state_dict(dev):
+    """Loading a checkpoint materializes the parameters with the checkpoint's shapes, as on CUDA."""
+    ref = nn.Linear(4, 3)
+    model = nn.LazyLinear(3).to(dev)
+    model.load_state_dict(ref.state_dict())
+    assert model.weight.device == dev and not isinstance(model.weight, nn.UninitializedParameter)
+    x = torch.randn(2, 4)
+    torch.testing.assert_close(model(x.to(dev)).cpu(), ref(x))
+
+
+def test_uninitialized_lazy_parameters_cast_on_lazy_and_refuse_to_leave_it(dev):
+    """A dtype cast keeps them uninitialized (as on CUDA); moving them back to the CPU, where they
+    would silently come back initialized and empty, is a clear error."""
+    m = nn.LazyLinear(3).to(dev).double()
+    assert isinstance(m.weight, nn.UninitializedParameter) and m.weight.dtype == torch.float64
+    assert isinstance(copy.deepcopy(m).weight, nn.UninitializedParameter)
+    m(torch.randn(2, 4, dtype=torch.float64).to(dev))
+    assert m.weight.dtype == torch.float64 and m.weight.shape == (3, 4)
+    with pytest.raises(RuntimeError, match="uninitialized parameter of a torch.nn Lazy.*to cpu.*call the module once"):
+        nn.LazyLinear(3).to(dev).cpu()
 
 
 def test_sparse_gradients_raise_a_clear_error(dev):

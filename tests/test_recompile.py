@@ -102,6 +102,15 @@ def test_a_tensor_kept_alive_is_named_live_tensors(fresh, dev, monkeypatch):
     assert r.details[0].startswith("1 more output (tensors live at the sync); new: op 0 mm at ")
 
 
+def test_an_op_traced_through_its_decomposition_leaves_nothing_pending(dev):
+    """multi_margin_loss has no meta kernel at the lazy device's level and is traced through
+    torch._decomp: once its result is read, none of its intermediates may stay alive, pending, to
+    join (and change) the graph of whatever step comes next."""
+    x, y = torch.randn(5, 4).to(dev), torch.tensor([0, 3, 1, 1, 2]).to(dev)
+    torch.nn.functional.multi_margin_loss(x, y).cpu()
+    assert not ratex.core.sync.pending_storages()
+
+
 def test_the_same_graph_after_the_cache_was_cleared(fresh, dev):
     x = torch.randn(4).to(dev)
     _step(lambda: x * 2)

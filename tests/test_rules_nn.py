@@ -47,6 +47,87 @@ def test_mse_loss():
               x, t, g, ops=["mse_loss.default", "mse_loss_backward.default"])
 
 
+@pytest.mark.usefixtures("tvm_kernels")
+@pytest.mark.parametrize("p,margin,weighted", [(1, 1.0, False), (2, 0.5, True), (1, 0.3, True)])
+@pytest.mark.parametrize("reduction", [0, 1, 2])
+def test_multi_margin_loss_backward(p, margin, weighted, reduction):
+    x, y = rnd(5, 4), torch.tensor([0, 3, 1, 1, 2])
+    w = torch.rand(4) if weighted else None
+
+    def fn(x, y, w):
+        out = aten.multi_margin_loss.default(x, y, p, margin, w, reduction)
+        g = out * 3 + 1  # any output gradient, per sample where reduction is 0
+        return out, aten.multi_margin_loss_backward.default(g, x, y, p, margin, w, reduction)
+
+    check(fn, x, y, w, ops=["gather.default", "where.self"])  # decomposed
+
+
+@pytest.mark.usefixtures("tvm_kernels")
+@pytest.mark.parametrize("shape", [(4,), ()], ids=["1d", "0d"])
+def test_multi_margin_loss_backward_of_one_sample(shape):
+    x, y = torch.randn(shape), torch.tensor(2 if shape else 0)
+    check(lambda x, y: aten.multi_margin_loss_backward.default(torch.tensor(0.7), x, y, 2, 1.0, None, 0), x, y,
+          ops=["gather.default", "where.self"])  # decomposed
+
+
+@pytest.mark.usefixtures("tvm_kernels")
+@pytest.mark.parametrize("reduction", [0, 1, 2])
+@pytest.mark.parametrize("rows", [True, False], ids=["batch", "one_sample"])
+def test_multilabel_margin_loss_forward_backward(reduction, rows):
+    """Targets end at the first -1 (what follows is ignored); a target listed twice counts twice."""
+    x = rnd(4, 5) if rows else rnd(5)
+    y = (torch.tensor([[2, 2, -1, 0, 0], [4, -1, 1, 1, 1], [0, 1, 2, 3, 4], [-1, 3, 3, 3, 3]]) if rows
+         else torch.tensor([3, 0, -1, 4, 4]))
+
+    def fn(x, y):
+        out, is_target = aten.multilabel_margin_loss_forward.default(x, y, reduction)
+        g = out * 3 + 1  # any output gradient, per sample where reduction is 0
+        return out, is_target, aten.multilabel_margin_loss_backward.default(g, x, y, reduction, is_target)
+
+    check(fn, x, y, ops=["multilabel_margin_loss_forward.default", "gather.default"])  # the backward decomposes
+
+
+@pytest.mark.usefixtures("tvm_kernels")
+@pytest.mark.parametrize("reduction", [0, 1])
+def test_multilabel_margin_loss_of_a_0_dim_input(reduction):
+    def fn(x, y):
+        out, is_target = aten.multilabel_margin_loss_forward.default(x, y, reduction)
+        return out, is_target, aten.multilabel_margin_loss_backward.default(out + 1, x, y, reduction, is_target)
+
+    check(fn, torch.randn(()), torch.tensor(0), ops=["multilabel_margin_loss_forward.default"])
+
+
+def test_multilabel_margin_loss_target_out_of_range_raises(dev):
+    x = rnd(2, 4).to(dev)
+    with pytest.raises(IndexError, match="index -2 is out of bounds .*multilabel_margin_loss_forward.*valid are -1 to 3"):
+        F.multilabel_margin_loss(x, torch.tensor([[1, -2, 0, 0], [0, -1, 0, 0]]).to(dev)).cpu()
+
+
+@pytest.mark.usefixtures("tvm_kernels")
+@pytest.mark.parametrize("bias", [True, False])
+def test_bilinear_forward_and_gradients(bias):
+    """nn.Bilinear is _trilinear, and so are its gradients."""
+    x1, x2, w = rnd(4, 3), rnd(4, 5), rnd(2, 3, 5)
+    b = rnd(2) if bias else None
+
+    def fn(x1, x2, w, b):
+        leaves = [t.detach().requires_grad_() for t in (x1, x2, w)]
+        out = torch.nn.functional.bilinear(*leaves, b)
+        return (out,) + torch.autograd.grad(out, leaves, out * 2 + 1)
+
+    check(fn, x1, x2, w, b, ops=["_trilinear.default"])
+
+
+@pytest.mark.usefixtures("tvm_kernels")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_trilinear_any_expand_and_sum_dims(dtype):
+    a, b, c = rnd(2, 3, dtype=dtype), rnd(3, 4, dtype=dtype), rnd(2, 4, dtype=dtype)
+    check(lambda a, b, c: (aten._trilinear.default(a, b, c, [2], [0], [1], [1]),
+                           aten._trilinear.default(a, b, c, [-1], [0], [1], [0, 1, 2], 0),
+                           aten._trilinear.default(a, b, c, [2], [0], [1], [])),
+          a, b, c, ops=["_trilinear.default"])
+
+
 # ---- normalization ----------------------------------------------------------------------------
 @pytest.mark.usefixtures("tvm_kernels")
 def test_layer_norm_forward_backward():
@@ -58,6 +139,26 @@ def test_layer_norm_forward_backward():
         return (out, mean, rstd) + tuple(grads)
 
     check(fn, x, w, b, ops=["native_layer_norm.default", "native_layer_norm_backward.default"])
+
+
+@pytest.mark.usefixtures("tvm_kernels")
+@pytest.mark.parametrize("shape,affine", [((0, 5), "both"), ((4, 2, 5), "none"), ((4, 2, 5), "weight")],
+                         ids=["empty_batch", "no_affine", "no_bias"])
+def test_layer_norm_backward_without_affine_parts_or_batch(shape, affine):
+    """nn.LayerNorm(elementwise_affine=False), (bias=False), and a batch of none: zero gradients
+    for weight and bias summed over no rows."""
+    x = rnd(*shape)
+    w = rnd(5) if affine != "none" else None
+    b = rnd(5) if affine == "both" else None
+
+    def fn(x, w, b):
+        out, mean, rstd = aten.native_layer_norm.default(x, [5], w, b, 1e-3)
+        mask = [True, w is not None, b is not None]
+        grads = aten.native_layer_norm_backward.default(out * 3 + 1, x, [5], mean, rstd, w, b, mask)
+        return (out,) + tuple(g for g in grads if g is not None)
+
+    forward = ["native_layer_norm.default"] if x.numel() else []  # empty outputs are data, not a node
+    check(fn, x, w, b, ops=forward + ["native_layer_norm_backward.default"])
 
 
 @pytest.mark.usefixtures("tvm_kernels")

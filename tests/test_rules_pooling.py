@@ -85,3 +85,29 @@ def test_adaptive_pools_uneven_windows():
                      F.adaptive_max_pool3d(a, (2, 3, 3), return_indices=True)),
           x, ops=["_adaptive_avg_pool2d.default", "_adaptive_avg_pool3d.default", "adaptive_max_pool2d.default",
                   "adaptive_max_pool3d.default"])
+
+
+@pytest.mark.usefixtures("tvm_kernels")
+@pytest.mark.parametrize("shape,k,out", [
+    ((2, 3, 7, 9), (2, 3), (4, 5)),
+    ((3, 7, 6), (2, 3), (4, 3)),  # no batch dim
+    ((1, 2, 6, 6), (3, 3), (1, 1)),  # one window: it ends at the input's end
+    ((2, 2, 5, 7, 9), (2, 2, 3), (3, 4, 5)),
+    ((2, 5, 6, 7), (2, 3, 2), (3, 2, 4)),  # 3-D, no batch dim
+])
+def test_fractional_max_pool_and_backward(shape, k, out):
+    """Windows placed by the random samples (one per plane and pooled dim, read W, H in 2-D and
+    T, H, W in 3-D): sizes differ per dim so that a sample read for the wrong dim shows."""
+    nd = len(k)
+    x = torch.randint(-3, 3, shape).float()  # ties: the first max wins
+    x.view(-1)[[4, 9]] = NAN
+    planes = (shape[0] if len(shape) == nd + 2 else 1, shape[-nd - 1], nd)
+    samples = torch.rand(planes)
+    pool, pool_backward = ((aten.fractional_max_pool2d.default, aten.fractional_max_pool2d_backward.default) if nd == 2
+                           else (aten.fractional_max_pool3d.default, aten.fractional_max_pool3d_backward.default))
+
+    def fn(x, samples):
+        vals, idx = pool(x, k, out, samples)
+        return vals, idx, pool_backward(torch.ones_like(vals).cumsum(-1), x, k, out, idx)
+
+    check(fn, x, samples, ops=[pool.__name__])

@@ -3,6 +3,7 @@
 Errors PyTorch raises for bad shapes come out here, at the op that caused
 them, not at mark_step.
 """
+import copy
 import functools
 
 import torch
@@ -35,7 +36,9 @@ def infer(op, spec, in_metas: tuple) -> Out:
         hit = _run(op, spec, in_metas)
         _memo[key] = hit
     if isinstance(hit, BaseException):
-        raise hit
+        # A copy: raising the memoized exception itself would leave on it the traceback of the
+        # latest raise, whose frames hold that call's lazy tensors alive (and pending) for good.
+        raise copy.copy(hit)
     return hit
 
 

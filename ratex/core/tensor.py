@@ -189,6 +189,63 @@ class LazyTensor(torch.Tensor):
         return _dispatch(func, args, kwargs or {})
 
 
+class _UninitializedLazy:
+    """What an uninitialized parameter or buffer of a torch.nn Lazy* module is once moved to the
+    lazy device: still uninitialized, as `.to('cuda')` leaves it.
+
+    `.to('cuda')` moves such a tensor's `.data` and keeps the object; here Module._apply swaps the
+    CPU object for this one (a lazy tensor is a traceable wrapper), so this one must be
+    uninitialized itself. The module's first call materializes it on the lazy device
+    (`torch.empty(shape, device=self.data.device)`), it becomes a plain LazyTensor, and
+    `reset_parameters` fills it with random ops traced like any other.
+    """
+
+    __new__ = LazyTensor.__new__
+    cls_to_become = LazyTensor
+    # Module._apply wraps the moved tensor in nn.Parameter, which detaches it and sets requires_grad.
+    _allowed_methods = UninitializedTensorMixin._allowed_methods + [torch.Tensor.detach, torch.Tensor.requires_grad_]
+
+    @classmethod
+    def _empty(cls, dtype, requires_grad):
+        t = cls.from_cpu(torch.empty(0, dtype=dtype), adopt=True)
+        t.requires_grad_(requires_grad)
+        if issubclass(cls, torch.nn.Parameter):
+            t._is_param = True  # what nn.Parameter() marks a wrapper with; it outlives materializing
+        return t
+
+    def detach(self):
+        """Return an uninitialized lazy tensor of the same kind that does not require grad
+        (nn.Parameter demands that detach keep a wrapper's type)."""
+        return type(self)._empty(self.dtype, False)
+
+    def __deepcopy__(self, memo):
+        if id(self) not in memo:
+            memo[id(self)] = type(self)._empty(self.dtype, self.requires_grad)
+        return memo[id(self)]
+
+    def __reduce_ex__(self, protocol):
+        # Saved as torch's own uninitialized kind, which loads on the CPU where ratex is not imported.
+        return (self._torch_kind, (self.requires_grad, None, self.dtype))
+
+
+class _UninitializedLazyParameter(_UninitializedLazy, torch.nn.UninitializedParameter, LazyTensor):
+    """An uninitialized parameter on the lazy device (see _UninitializedLazy)."""
+
+    _torch_kind = torch.nn.UninitializedParameter
+
+
+class _UninitializedLazyBuffer(_UninitializedLazy, torch.nn.UninitializedBuffer, LazyTensor):
+    """An uninitialized buffer on the lazy device (see _UninitializedLazy)."""
+
+    _torch_kind = torch.nn.UninitializedBuffer
+
+
+def uninitialized_like(src, dtype):
+    """Return an uninitialized lazy parameter or buffer (as `src` is one or the other) of `dtype`."""
+    kind = _UninitializedLazyParameter if isinstance(src, torch.nn.Parameter) else _UninitializedLazyBuffer
+    return kind._empty(dtype, src.requires_grad)
+
+
 _make_wrapper = torch.Tensor._make_wrapper_subclass
 _counts = metrics.counts
 _get_data = torch._C.TensorBase.data.__get__
@@ -250,10 +307,7 @@ def _lazy_key_kernel(op, *args, **kwargs):
     if op is aten._to_copy.default:
         src = args[0]
         if isinstance(src, UninitializedTensorMixin):
-            raise RuntimeError(
-                f"cannot move an uninitialized {type(src).__name__} (a torch.nn Lazy* module's, whose shape "
-                "comes from its first input) to the lazy device: call the module once on a CPU batch of "
-                "the right shape first, then move it with .to('lazy')")
+            return uninitialized_like(src, kwargs.get("dtype") or src.dtype)
         kw = {k: v for k, v in kwargs.items() if k not in _MOVE_ONLY and not (k == "dtype" and v == src.dtype)}
         out = aten._to_copy.default(src, **kw) if kw else src  # x.to('lazy') comes with its own dtype: no cast
         return LazyTensor.from_cpu(out, adopt=out is not src)

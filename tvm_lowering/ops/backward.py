@@ -413,6 +413,10 @@ def native_layer_norm_backward(imp, node):
     nd, k = len(shape(x)), len(nshape)
     axes = list(range(nd - k, nd))
     batch_axes = list(range(0, nd - k))
+    if 0 in shape(x):  # an empty batch: sums over it are zeros (kernels reducing over none don't schedule)
+        grads = [zeros(imp, shape(t), dt) if on and t is not None else None
+                 for on, t, dt in zip(mask, (x, w, b), dts)]
+        return tuple_out(imp, node, grads)
     xhat = emit(imp, op.multiply(op.subtract(x, mean), rstd))
     gi = gw = gb = None
     if mask[0]:

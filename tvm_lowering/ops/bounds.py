@@ -67,14 +67,15 @@ def take(imp, x, idx, axis, wrap=False, dim=None):
     return _emit(imp, relax.op.take(x, idx, axis=axis, mode="wrap" if wrap else "clip"))
 
 
-def record(imp, idx, size, dim=0, wrap=False):
-    """Record a check that `idx` lies in [0, size) (with `wrap`: [-size, size)), where the importer
-    collects checks; indices without elements need none."""
+def record(imp, idx, size, dim=0, wrap=False, low=None):
+    """Record a check that `idx` lies in [0, size) (with `wrap`: [-size, size); from `low` where
+    given, as multilabel_margin_loss's -1 that ends a target list), where the importer collects
+    checks; indices without elements need none."""
     if imp.checks is None or 0 in _shape(idx):
         return
     flat = _emit(imp, relax.op.reshape(idx, [-1])) if len(_shape(idx)) != 1 else idx
     both = _emit(imp, relax.op.max(relax.op.stack([flat, relax.op.bitwise_not(flat)], axis=0), axis=[1]))
-    header = (imp.site, -1, dim, -size if wrap else 0, size)
+    header = (imp.site, -1, dim, low if low is not None else -size if wrap else 0, size)
     imp.checks.append(([header], _emit(imp, relax.op.reshape(_int64(imp, both), [1, 2]))))
 
 

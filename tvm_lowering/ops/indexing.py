@@ -97,9 +97,10 @@ def scatter_with_reduce(imp, node):
     return _reshaped_like(imp, out, x0)
 
 
-@rule("index_reduce.default")
-def index_reduce(imp, node):
-    """A scatter whose index is the 1-D `index` laid along dim and repeated over source's other dims."""
+def _index_scatter(imp, node, reduce, include_self=True, alpha=1):
+    """x with source scattered in along dim at the 1-D `index`, laid along dim and repeated over
+    source's other dims (index_add/index_copy/index_reduce). Their negative indices are refused,
+    as PyTorch refuses them (torch._decomp's index_put would count them from the end)."""
     x0 = env(imp, node.args[0])
     x, index, src = _as_vector(imp, x0, env(imp, node.args[2]), env(imp, node.args[3]))
     axis = arg(node, 1, "dim") % len(shape(x))
@@ -107,8 +108,25 @@ def index_reduce(imp, node):
     index = _scatter_index(imp, index, shape(x)[axis], axis)
     index = emit(imp, relax.op.reshape(index, [1] * axis + [-1] + [1] * (len(ss) - axis - 1)))
     index = emit(imp, relax.op.broadcast_to(index, ss))
-    out = scatter_into(imp, x, axis, index, src, arg(node, 4, "reduce"), arg(node, 5, "include_self", True))
+    if alpha != 1:
+        src = emit(imp, relax.op.multiply(cast(imp, src, dtype(x)), relax.const(alpha, dtype(x))))
+    out = scatter_into(imp, x, axis, index, src, reduce, include_self)
     return _reshaped_like(imp, out, x0)
+
+
+@rule("index_reduce.default")
+def index_reduce(imp, node):
+    return _index_scatter(imp, node, arg(node, 4, "reduce"), arg(node, 5, "include_self", True))
+
+
+@rule("index_add.default")
+def index_add(imp, node):
+    return _index_scatter(imp, node, "sum", alpha=arg(node, 4, "alpha", 1))
+
+
+@rule("index_copy.default")
+def index_copy(imp, node):
+    return _index_scatter(imp, node, "update")
 
 
 # ---- index_put --------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ import math
 import numpy as np
 from tvm import relax
 
+from . import bounds
 from .kit import arg, cast, dtype, emit, env, flatten, nll_pick, out_meta, pair, scalar, shape, to_dtype, zeros
 from .registry import rule
 
@@ -78,6 +79,56 @@ def mse_loss(imp, node):
     if reduction == 2:
         return emit(imp, relax.op.sum(sq))
     return emit(imp, relax.op.mean(sq))
+
+
+def _multilabel_terms(imp, x, target):
+    """(z, live, is_target) of multilabel_margin_loss for x and target of shape (N, C):
+    z[n, t, i] = 1 - x[n, target[n, t]] + x[n, i]; live marks the terms that count: t before the
+    first negative target (a -1 ends the list), i not listed, z > 0 (a target listed twice counts
+    twice, as in PyTorch's kernel); is_target[n, i] is 1 where i is listed."""
+    n, c = shape(x)
+    tgt = cast(imp, target, "int64")
+    bounds.record(imp, tgt, c, 1, low=-1)  # PyTorch: "argument #2 'target' is out of range"
+    negative = emit(imp, relax.op.less(tgt, relax.const(0, "int64")))
+    ended = emit(imp, relax.op.cumsum(cast(imp, negative, "int32"), axis=1))
+    listed = emit(imp, relax.op.equal(ended, relax.const(0, "int32")))
+    safe = emit(imp, relax.op.minimum(relax.op.maximum(tgt, relax.const(0, "int64")), relax.const(c - 1, "int64")))
+    classes = emit(imp, relax.op.arange(0, c, 1, "int64"))
+    onehot = emit(imp, relax.op.logical_and(relax.op.equal(relax.op.expand_dims(safe, -1), classes),
+                                            relax.op.expand_dims(listed, -1)))
+    is_target = emit(imp, relax.op.astype(relax.op.max(cast(imp, onehot, "int32"), axis=[1]), dtype(x)))
+    other = emit(imp, relax.op.equal(is_target, relax.const(0, dtype(is_target))))
+    picked = emit(imp, relax.op.gather_elements(x, safe, axis=1))
+    z = emit(imp, relax.op.add(relax.op.subtract(relax.const(1, dtype(x)), relax.op.expand_dims(picked, -1)),
+                               relax.op.expand_dims(x, 1)))
+    live = emit(imp, relax.op.logical_and(
+        relax.op.logical_and(relax.op.expand_dims(listed, -1), relax.op.expand_dims(other, 1)),
+        relax.op.greater(z, relax.const(0, dtype(x)))))
+    return z, live, is_target
+
+
+def _rows(imp, x):
+    """x as (N, C) rows: a 1-D input is one row."""
+    return x if len(shape(x)) == 2 else emit(imp, relax.op.reshape(x, [1, -1]))
+
+
+@rule("multilabel_margin_loss_forward.default")
+def multilabel_margin_loss_forward(imp, node):
+    """(loss, is_target): per row the sum of 1 - x[target] + x[other] over listed targets and the
+    classes not listed, where positive, / C; then the reduction (torch._decomp's is wrong)."""
+    x, target = env(imp, node.args[0]), env(imp, node.args[1])
+    reduction = arg(node, 2, "reduction", 1)
+    if len(shape(x)) not in (1, 2) or 0 in shape(x):
+        raise NotImplementedError("multilabel_margin_loss of an empty or 0-dim input")
+    rows = _rows(imp, x)
+    z, live, is_target = _multilabel_terms(imp, rows, _rows(imp, target))
+    dt = dtype(x)
+    per_row = emit(imp, relax.op.sum(relax.op.where(live, z, relax.const(0, dt)), axis=[1, 2]))
+    per_row = emit(imp, relax.op.divide(per_row, relax.const(shape(rows)[1], dt)))
+    loss = (emit(imp, relax.op.mean(per_row)) if reduction == 1 else emit(imp, relax.op.sum(per_row))
+            if reduction == 2 else emit(imp, relax.op.reshape(per_row, out_meta(node, 0)[0])))
+    is_target = emit(imp, relax.op.reshape(is_target, shape(x)))
+    return emit(imp, relax.Tuple([loss, is_target]))
 
 
 # ---- normalization ----------------------------------------------------------------------------
@@ -342,6 +393,26 @@ def convolution(imp, node):
     if b is not None:
         out = emit(imp, relax.op.add(out, relax.op.reshape(b, [-1] + [1] * len(stride))))
     return out
+
+
+@rule("_trilinear.default")
+def trilinear(imp, node):
+    """The sum over `sumdim` of i1 * i2 * i3, each first unsqueezed at its `expand` dims (nn.Bilinear,
+    and the gradients autograd makes of it, which are _trilinear again): one broadcast product and
+    one sum, which fuse into one kernel (nothing of the product's size is stored)."""
+    ins = [env(imp, a) for a in node.args[:3]]
+    total = len(shape(ins[0])) + len(arg(node, 3, "expand1"))
+    expands = [{d % total for d in arg(node, 3 + i, f"expand{i + 1}")} for i in range(3)]
+    sumdim = sorted({d % total for d in arg(node, 6, "sumdim")})
+    shp, dt = out_meta(node)
+    acc = "float32" if dt in ("float16", "bfloat16") else dt
+    prod = None
+    for x, expand in zip(ins, expands):
+        sizes = iter(shape(x))
+        x = emit(imp, relax.op.reshape(cast(imp, x, acc), [1 if d in expand else next(sizes) for d in range(total)]))
+        prod = x if prod is None else emit(imp, relax.op.multiply(prod, x))
+    out = emit(imp, relax.op.sum(prod, axis=sumdim)) if sumdim else prod
+    return to_dtype(imp, emit(imp, relax.op.reshape(out, shp)), dt)
 
 
 # ---- attention --------------------------------------------------------------------------------

@@ -235,3 +235,58 @@ def adaptive_max_pool(imp, node):
     nd = len(arg(node, 1, "output_size"))
     out = emit_te(imp, _adaptive_pool_te, x, out_shape[-nd:], "max")
     return emit(imp, relax.Tuple([emit(imp, relax.TupleGetItem(out, i)) for i in (0, 1)]))
+
+
+# ---- fractional_max_pool2d / fractional_max_pool3d --------------------------------------------
+def _fractional_starts(sample, o, n_in, n_out, k, dt):
+    """Where window `o` of a fractional max pool starts (TIR), from its plane's random `sample`:
+    trunc((o + u) * alpha) - trunc(u * alpha), alpha = (in - k) / (out - 1), computed in the
+    input's dtype as PyTorch's kernel does; the last window ends at the input's end."""
+    last = tirx.const(n_in - k, "int32")
+    if n_out == 1:
+        return last
+    alpha = tirx.const(np.array(n_in - k, dt) / np.array(n_out - 1, dt), dt)
+    start = ((o.astype(dt) + sample) * alpha).astype("int32") - (sample * alpha).astype("int32")
+    return tirx.Select(o == n_out - 1, last, start)
+
+
+def _fractional_pool_te(x, samples, kernel, out_sizes):
+    """Values and int64 flat indices of a fractional max pool over the last len(kernel) dims.
+
+    samples[n, c, :] holds one number in [0, 1) per pooled dim, the last dim's first (W, H for
+    2-D; PyTorch's 3-D kernel reads them T, H, W); positions are clamped so that samples outside
+    [0, 1), which PyTorch does not check, read no memory outside x."""
+    nd = len(kernel)
+    lead = [int(s) for s in x.shape[:-nd]]
+    sizes = [int(s) for s in x.shape[-nd:]]
+    dt = str(x.dtype)
+    order = [1, 0] if nd == 2 else [0, 1, 2]  # which sample each pooled dim reads
+    axes = [te.reduce_axis((0, k), name=f"k{i}") for i, k in enumerate(kernel)]
+    argmax, _ = torch_argmax(dt)
+
+    def best(*idx):
+        lead_idx, out_idx = idx[:-nd], idx[-nd:]
+        plane = lead_idx if len(lead_idx) == 2 else (0, *lead_idx)  # unbatched: one row of samples
+        pos = []
+        for d in range(nd):
+            u = samples[(*plane, order[d])]
+            start = _fractional_starts(u, out_idx[d], sizes[d], out_sizes[d], kernel[d], dt)
+            pos.append(tirx.max(tirx.min(start + axes[d], sizes[d] - 1), 0))
+        flat = pos[0].astype("int64")
+        for p, n in zip(pos[1:], sizes[1:]):
+            flat = flat * n + p.astype("int64")
+        return argmax((flat, x[(*lead_idx, *pos)]), axis=axes)
+
+    inds, vals = te.compute((*lead, *out_sizes), best, name=f"fractional_max_pool{nd}d")
+    return vals, inds
+
+
+@rule("fractional_max_pool2d.default", "fractional_max_pool3d.default")
+def fractional_max_pool(imp, node):
+    """(values, indices), indices flat positions in each input plane (volume), as PyTorch's."""
+    x, samples = env(imp, node.args[0]), env(imp, node.args[3])
+    kernel, out_sizes = list(arg(node, 1, "kernel_size")), list(arg(node, 2, "output_size"))
+    if str(x.ty.dtype) not in ("float32", "float64") or str(samples.ty.dtype) != str(x.ty.dtype):
+        raise NotImplementedError("fractional max pool of a half-precision input (PyTorch computes its windows in it)")
+    out = emit_te(imp, _fractional_pool_te, x, samples, kernel, out_sizes)
+    return emit(imp, relax.Tuple([emit(imp, relax.TupleGetItem(out, i)) for i in (0, 1)]))

@@ -175,6 +175,82 @@ def _slice_backward(grad, input_sizes, dim, start, end, step):
     return aten.slice_scatter.default(_zeros(input_sizes, grad), grad, dim, start, end, step)
 
 
+# ---- loss gradients PyTorch has no decomposition for -----------------------------------------
+@register(aten.multi_margin_loss_backward.default, tier=DECOMPOSITION)
+def _multi_margin_loss_backward(grad, x, target, p, margin, weight=None, reduction=1):
+    """nn.MultiMarginLoss's input gradient, as ATen's CPU kernel computes it: each class j whose
+    margin term z_j = margin - x[y] + x[j] is positive gets (1 or 2 z_j) * w[y] / classes (and / rows
+    for a mean), the target class minus their sum; times the output gradient. Inputs ATen refuses
+    (p other than 1 and 2, mismatched shapes) take the op's own path, which raises ATen's error."""
+    rows = x.reshape(1, -1) if x.dim() < 2 else x
+    if p not in (1, 2) or rows.dim() != 2 or target.numel() != rows.shape[0] or 0 in rows.shape \
+            or (weight is not None and weight.numel() != rows.shape[1]):
+        return NotImplemented
+    n, classes = rows.shape
+    target = target.reshape(n, 1)
+    z = aten.add.Tensor(aten.sub.Tensor(rows, aten.gather.default(rows, 1, target)), margin)
+    is_target = aten.eq.Tensor(torch.arange(classes, device=x.device).view(1, classes), target)
+    active = aten.logical_and.default(aten.gt.Scalar(z, 0), aten.logical_not.default(is_target))
+    scale = 1.0 / (classes * n) if reduction == 1 else 1.0 / classes
+    h = aten.mul.Tensor(z, 2 * scale) if p == 2 else aten.full_like.default(z, scale)
+    if weight is not None:
+        h = aten.mul.Tensor(h, aten.index_select.default(weight, 0, target.reshape(n)).view(n, 1))
+    h = aten.where.self(active, h, aten.zeros_like.default(h))
+    h = aten.where.self(is_target, aten.neg.default(aten.sum.dim_IntList(h, [1], True)), h)
+    per_row = grad if grad.dim() == 0 else grad.reshape(-1, 1)  # a 0-dim one may be a CPU scalar
+    return aten.mul.Tensor(h, per_row).view(x.shape)
+
+
+@register(aten.multilabel_margin_loss_forward.default, tier=DECOMPOSITION)
+def _multilabel_margin_loss_one_sample(x, target, reduction):
+    """A 0-D or 1-D input as one row: unreduced, its meta kernel gives the loss shape (1,) where
+    ATen gives (), so the row's loss is viewed as ()."""
+    if x.dim() > 1 or target.dim() != x.dim() or (x.dim() == 1 and reduction != 0):
+        return NotImplemented
+    out, is_target = aten.multilabel_margin_loss_forward.default(x.view(1, -1), target.view(1, -1), reduction)
+    return out.view([]), is_target.view(x.shape)
+
+
+@register(aten.multilabel_margin_loss_backward.default, tier=DECOMPOSITION)
+def _multilabel_margin_loss_backward(grad, x, target, reduction, is_target):
+    """nn.MultiLabelMarginLoss's input gradient, as ATen's CPU kernel computes it (the op has no
+    meta kernel to trace): each term 1 - x[target] + x[i] > 0 of a listed target (before the
+    first -1) and a class i not listed adds 1/C (1/(N C) for a mean) to i and takes it from the
+    target; times the output gradient."""
+    rows, tgt, listed_before = (t.reshape(1, -1) if x.dim() < 2 else t for t in (x, target, is_target))
+    if rows.dim() != 2 or 0 in rows.shape or tuple(tgt.shape) != tuple(rows.shape) \
+            or tuple(listed_before.shape) != tuple(rows.shape):
+        return NotImplemented  # the op's own path raises ATen's error
+    n, classes = rows.shape
+    listed = aten.eq.Scalar(aten.cumsum.default(aten.lt.Scalar(tgt, 0), 1), 0)
+    safe = aten.where.self(listed, tgt, aten.zeros_like.default(tgt))
+    z = aten.add.Tensor(aten.rsub.Scalar(aten.gather.default(rows, 1, safe).unsqueeze(2), 1), rows.unsqueeze(1))
+    live = aten.logical_and.default(aten.logical_and.default(listed.unsqueeze(2), aten.eq.Scalar(listed_before, 0).unsqueeze(1)),
+                                    aten.gt.Scalar(z, 0))
+    step = 1.0 / (n * classes) if reduction == 1 else 1.0 / classes
+    terms = aten.mul.Tensor(aten._to_copy.default(live, dtype=x.dtype), step)
+    onehot = aten.logical_and.default(aten.eq.Tensor(safe.unsqueeze(2), torch.arange(classes, device=x.device)),
+                                      listed.unsqueeze(2))
+    taken = aten.sum.dim_IntList(aten.mul.Tensor(onehot, aten.sum.dim_IntList(terms, [2], True)), [1])
+    gi = aten.sub.Tensor(aten.sum.dim_IntList(terms, [1]), taken)
+    per_row = grad if reduction != 0 or grad.dim() == 0 else grad.reshape(n, 1)
+    return aten.mul.Tensor(gi, per_row).view(x.shape)
+
+
+@register(aten.fractional_max_pool2d_backward.default, aten.fractional_max_pool3d_backward.default,
+          tier=DECOMPOSITION)
+def _fractional_max_pool_backward(grad, x, kernel_size, output_size, indices):
+    """Each output gradient added into the input position its max came from (`indices`: flat
+    positions in each plane): a scatter_add per plane. The 3-D op has no meta kernel to trace."""
+    nd = len(kernel_size)
+    if tuple(grad.shape) != tuple(indices.shape) or x.dim() not in (nd + 1, nd + 2):
+        return NotImplemented  # the op's own path raises ATen's error
+    planes, volume = x.shape[:-nd].numel(), x.shape[-nd:].numel()
+    out = aten.scatter_add.default(_zeros([planes, volume], grad), 1, indices.reshape(planes, -1),
+                                   grad.reshape(planes, -1))
+    return out.view(x.shape)
+
+
 @register(aten._safe_softmax.default, tier=DECOMPOSITION)
 def _safe_softmax(x, dim, dtype=None):
     """softmax, but 0 (not NaN) for rows that are entirely -inf (masked-out attention rows)."""

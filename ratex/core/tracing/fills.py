@@ -11,12 +11,13 @@ makes in a fused kernel: they stay nodes, and so do the fills ratex's own
 decompositions make (they call `record.functional` directly).
 """
 import torch
+from torch.nn.parameter import UninitializedTensorMixin
 
 from ... import config
 from .. import ir, metrics, shape
 from ..device import backend
 from ..ir import Node
-from ..tensor import LazyTensor, check_device
+from ..tensor import LazyTensor, check_device, uninitialized_like
 from .capture import collect
 from .record import functional
 from .registry import HANDLER, register
@@ -44,6 +45,8 @@ def _copy_(func, args, kwargs):
 @register(aten._to_copy.default, tier=HANDLER)
 def _to_copy(func, args, kwargs):
     device = kwargs.get("device")
+    if isinstance(args[0], UninitializedTensorMixin):
+        return _uninitialized_to(args[0], device, kwargs.get("dtype"))
     if device is not None and torch.device(device).type != "lazy":
         return func(args[0]._to_cpu(), **kwargs)
     if device is not None:
@@ -52,6 +55,23 @@ def _to_copy(func, args, kwargs):
     if not kwargs.get("dtype") or kwargs.get("dtype") == args[0].dtype:
         kwargs.pop("memory_format", None)
     return functional(func, args, kwargs)
+
+
+def _uninitialized_to(src, device, dtype):
+    """A Lazy* module's uninitialized parameter or buffer cast on the lazy device stays uninitialized.
+
+    Moved off the lazy device it would come back initialized and empty (Module._apply wraps a
+    CPU result in a new Parameter), a module that then fails later and far from here: refused.
+    """
+    if device is not None and torch.device(device).type != "lazy":
+        raise RuntimeError(
+            f"cannot move an uninitialized {'parameter' if isinstance(src, torch.nn.Parameter) else 'buffer'} "
+            "of a torch.nn Lazy* module from the "
+            f"lazy device to {torch.device(device)}: it has no shape until the module's first call; call the "
+            "module once on a lazy batch first")
+    if device is not None:
+        check_device(device)
+    return uninitialized_like(src, dtype or src.dtype)
 
 
 @register(aten.clone.default, tier=HANDLER)

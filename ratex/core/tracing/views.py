@@ -51,7 +51,7 @@ def _identity_view(func, args, kwargs):
     """detach/alias (autograd detaches every new gradient): a new tensor on the same storage
     and view chain, so the same value; nothing to infer or record."""
     base = args[0]
-    if type(base) is not LazyTensor:
+    if not isinstance(base, LazyTensor):
         return eager(func, args, kwargs)
     shape_, stride, dtype = base._sig
     metrics.counts[_view_counter(func)] += 1
