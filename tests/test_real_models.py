@@ -312,8 +312,6 @@ KNOWN = {
                                      "tensor live at the first step's sync is not at the second), unless an earlier "
                                      "test in the process compiled it; losses, parameters and buffers match CPU and "
                                      "the third step compiles nothing"),
-    ("resnet-bn", True): ("scripted, the ResNet's losses part from CPU's by ~2e-4 relative from the second step "
-                          "(the plain lazy path matches): not yet diagnosed"),
 }
 
 
