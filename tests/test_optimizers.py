@@ -249,6 +249,44 @@ def test_lbfgs_matches_cpu_and_its_reads_do_not_grow_the_graph(dev):
     assert not [c for c in metrics.counter_names() if c.startswith("aten::")]
 
 
+def test_lbfgs_strong_wolfe_matches_cpu_and_stops_compiling(dev):
+    """LBFGS's strong_wolfe line search compares tensors with values it has just read into
+    Python (`f_new > f + c1 * t * gtd`): those are graph inputs, so once its paths have been
+    taken a step compiles nothing (a constant of each program, they compiled four programs a
+    step for ever). In float64 the lazy device follows CPU to rounding: LBFGS amplifies float32
+    rounding, here as on CPU, where float32 and float64 part after a few steps."""
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).double()
+    model = copy.deepcopy(ref).to(dev)
+    x, y = torch.randn(16, 4).double(), torch.randn(16, 1).double()
+
+    def train(m, xs, ys):
+        opt = torch.optim.LBFGS(m.parameters(), lr=1, max_iter=4, history_size=3, line_search_fn="strong_wolfe")
+        losses, compiles = [], []
+
+        def closure():
+            opt.zero_grad()
+            loss = F.mse_loss(m(xs), ys)
+            loss.backward()
+            return loss
+
+        for _ in range(6):
+            before = metrics.counter_value("UncachedCompile") or 0
+            losses.append(opt.step(closure).item())
+            if xs.device == dev:
+                lm.mark_step()
+            compiles.append((metrics.counter_value("UncachedCompile") or 0) - before)
+        return losses, compiles
+
+    want, _ = train(ref, x, y)
+    got, compiles = train(model, x.to(dev), y.to(dev))
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.cpu(), q.detach(), rtol=1e-10, atol=1e-12)
+    assert compiles[3:] == [0, 0, 0], compiles
+    assert not [c for c in metrics.counter_names() if c.startswith("aten::")]
+
+
 # Lists the recorded foreach route takes only in part: each element that doesn't fit (another
 # dtype, a broadcast operand, an int tensor, a non-contiguous operand of an out-of-place op)
 # takes the per-element route, in list order, and every element still equals CPU's.
