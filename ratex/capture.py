@@ -66,6 +66,10 @@ class Call:
         rest = tuple(rest)
         return cls(tensors, (spec, rest), sig, spec, [x if x is _TENSOR else x[1] for x in rest])
 
+    def without_tensors(self) -> "Call":
+        """This call with no tensors held: what `rebuild` needs, for whatever outlives the call."""
+        return Call([], self.key, self._sig, self._spec, self._leaves)
+
     def rebuild(self, tensors):
         """(args, kwargs) of this call with `tensors` in place of its tensors."""
         it = iter(tensors)
@@ -190,7 +194,10 @@ class Flat(nn.Module):
         super().__init__()
         object.__setattr__(self, "model", model)
         share(self, model)
-        self.call = call
+        # Not the call's own tensors: a module sits in reference cycles, which keep what it holds
+        # alive until the garbage collector runs, and a pending lazy input kept alive is computed
+        # and returned by the next mark_step, a graph of its own that later steps don't repeat.
+        self.call = call.without_tensors()
         # Set inside an object: export restores the module attributes (and the containers
         # among them) that a forward assigns.
         self._last = types.SimpleNamespace(outputs=None)

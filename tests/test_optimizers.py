@@ -210,18 +210,16 @@ def test_muon_matches_cpu_in_tvm_kernels(dev, config):
     _muon_matches_cpu(dev, config)
 
 
-def test_lbfgs_matches_cpu_and_its_reads_do_not_grow_the_graph(dev):
-    """LBFGS evaluates its closure several times a step and reads values (the loss, alpha=tensor,
-    its line-search conditions) between writes of the parameters: each read computes what the
-    writes since the last one left pending, so the graph a read compiles does not grow with every
-    evaluation, the steps compile the same programs again, and the results match CPU."""
+def _lbfgs_against_cpu(dev, dtype, steps, **kwargs):
+    """Train a small MLP with LBFGS(**kwargs) on CPU and on `dev` from the same init and data;
+    return (CPU losses, lazy losses, the two models' parameters, programs compiled per lazy step)."""
     torch.manual_seed(0)
-    ref = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    ref = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).to(dtype)
     model = copy.deepcopy(ref).to(dev)
-    x, y = torch.randn(16, 4), torch.randn(16, 1)
+    x, y = torch.randn(16, 4).to(dtype), torch.randn(16, 1).to(dtype)
 
     def train(m, xs, ys):
-        opt = torch.optim.LBFGS(m.parameters(), lr=0.5, max_iter=4, history_size=3)
+        opt = torch.optim.LBFGS(m.parameters(), **kwargs)
         losses, compiles = [], []
 
         def closure():
@@ -230,7 +228,7 @@ def test_lbfgs_matches_cpu_and_its_reads_do_not_grow_the_graph(dev):
             loss.backward()
             return loss
 
-        for _ in range(5):
+        for _ in range(steps):
             before = metrics.counter_value("UncachedCompile") or 0
             losses.append(opt.step(closure).item())
             if xs.device == dev:
@@ -240,12 +238,35 @@ def test_lbfgs_matches_cpu_and_its_reads_do_not_grow_the_graph(dev):
 
     want, _ = train(ref, x, y)
     got, compiles = train(model, x.to(dev), y.to(dev))
+    params = [(p.detach().cpu(), q.detach()) for p, q in zip(model.parameters(), ref.parameters())]
+    return want, got, params, compiles
+
+
+def test_lbfgs_matches_cpu_and_its_reads_do_not_grow_the_graph(dev):
+    """LBFGS evaluates its closure several times a step and reads values (the loss, alpha=tensor,
+    its line-search conditions) between writes of the parameters: each read computes what the
+    writes since the last one left pending, so the graph a read compiles does not grow with every
+    evaluation, the steps compile the same programs again, and the results match CPU."""
+    want, got, params, compiles = _lbfgs_against_cpu(dev, torch.float32, 5, lr=0.5, max_iter=4, history_size=3)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
-    for p, q in zip(model.parameters(), ref.parameters()):
-        torch.testing.assert_close(p.cpu(), q.detach(), rtol=1e-4, atol=1e-5)
-    # Once the history is full, a step compiles at most the one program whose step size (a value
-    # LBFGS reads and passes back as a Python number) is new.
-    assert all(c <= 1 for c in compiles[2:]), compiles
+    for p, q in params:
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+    assert compiles[2:] == [0, 0, 0], compiles  # once the history is full, the same programs again
+    assert not [c for c in metrics.counter_names() if c.startswith("aten::")]
+
+
+def test_lbfgs_strong_wolfe_matches_cpu_and_stops_compiling(dev):
+    """LBFGS's strong_wolfe line search compares tensors with values it has just read into
+    Python (`f_new > f + c1 * t * gtd`): those are graph inputs, so once its paths have been
+    taken a step compiles nothing (a constant of each program, they compiled four programs a
+    step for ever). In float64 the lazy device follows CPU to rounding: LBFGS amplifies float32
+    rounding, here as on CPU, where float32 and float64 part after a few steps."""
+    want, got, params, compiles = _lbfgs_against_cpu(dev, torch.float64, 6, lr=1, max_iter=4, history_size=3,
+                                                     line_search_fn="strong_wolfe")
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    for p, q in params:
+        torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12)
+    assert compiles[3:] == [0, 0, 0], compiles
     assert not [c for c in metrics.counter_names() if c.startswith("aten::")]
 
 

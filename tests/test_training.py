@@ -82,6 +82,25 @@ def test_same_step_compiles_once_and_new_shape_compiles_again(dev):
     assert [tuple(o.shape) for o in outs] == [(3,), (3,), (5,)]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int64])
+def test_comparing_with_a_new_number_does_not_recompile(dev, dtype):
+    """A value read into Python and compared with a tensor (a line search's `f_new > f + c1 * t *
+    gtd`, LBFGS with strong_wolfe) is a new number every time: it is a graph input, not a
+    constant of a program compiled for it, and compares as PyTorch does (in the tensor's dtype,
+    or float32 for an integer tensor)."""
+    x = (torch.randn(64) * 4).to(dtype)
+    xl = x.to(dev)
+    got, want, counts = [], [], []
+    for v in (0.3, 1.7, -2.25, 0.1, 1e-3):
+        for op in (torch.lt, torch.le, torch.gt, torch.ge, torch.eq, torch.ne):
+            got.append(op(xl, v).cpu())
+            want.append(op(x, v))
+        counts.append(_compiles())
+    assert counts == [counts[0]] * len(counts), f"compiles after each value: {counts}"
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
 def test_learning_rate_change_does_not_recompile(dev):
     torch.manual_seed(0)
     model = mlp().to(dev)

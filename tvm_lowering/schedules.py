@@ -15,11 +15,11 @@ fit a kernel leaves it as it was.
 import math
 
 import tvm
+import tvm_ffi
 from tvm import s_tir, tirx
 from tvm.s_tir import dlight
 from tvm.s_tir.analysis import estimate_tir_flops
-from tvm.s_tir.dlight.analysis import normalize_prim_func
-from tvm.s_tir.dlight.base.common_schedules import try_inline
+from tvm.s_tir.dlight.analysis import get_root_block, normalize_prim_func
 from tvm.s_tir.dlight.base.utils import get_extent
 from tvm.s_tir.dlight.cpu.base import CPUScheduleRule
 
@@ -56,7 +56,7 @@ def _fuse_elementwise(sch, infos):
     # models' other kernels has a block above 6 ops an element.
     costly = [info for info in infos if _ops_per_element(sch, info.block_rv) > _INLINE_MAX_OPS
               or MATERIALIZE in sch.get(info.block_rv).annotations]
-    for info in costly + try_inline(sch, [info for info in infos if info not in costly]):
+    for info in costly + _try_inline(sch, [info for info in infos if info not in costly]):
         _vectorize_block(sch, info.block_rv)
 
 
@@ -174,7 +174,7 @@ def _inline_epilogue(sch, infos, first):
     for info, block in zip(infos[1:], blocks):
         read = {str(region.source.name) for region in block.reads} & computed
         readers = sum(chain in {str(region.source.name) for region in other.reads} for other in blocks)
-        if read != {chain} or readers != 1:
+        if read != {chain} or readers != 1 or not _reads_as_written(block, chain):
             break
         try:
             sch.reverse_compute_inline(info.block_rv)
@@ -183,6 +183,56 @@ def _inline_epilogue(sch, infos, first):
         chain = str(block.writes[0].source.name)
         inlined.append(info)
     _fuse_elementwise(sch, [info for info in infos[1:] if info not in inlined])
+
+
+def _reads_as_written(block, name) -> bool:
+    """Whether the block reads buffer `name` only at the point it writes, in a buffer of the
+    written one's shape: an elementwise map, which reverse_compute_inline can fold into the
+    block that computes `name`. TVM also reverse-inlines a slice, which reads a sub-region,
+    and gets it wrong: the slice's iterators are dropped and every element of the
+    producer is written to the slice's point, the last one winning (the weight gradient of a
+    1x1 stride-2 conv on an even size, sliced from a 2x2 conv, came out as its corner)."""
+    reads = [r for r in block.reads if str(r.source.name) == name]
+    if len(reads) != 1 or len(block.writes) != 1:
+        return False
+    read, write = reads[0], block.writes[0]
+    if not tvm_ffi.structural_equal(list(read.source.shape), list(write.source.shape)):
+        return False
+    return all(tvm_ffi.structural_equal(r.min, w.min) and tvm_ffi.structural_equal(r.extent, w.extent)
+               for r, w in zip(read.region, write.region))
+
+
+def _try_inline(sch, infos):
+    """dlight's try_inline (inline each block into its consumers, or else its consumer into
+    it, while any can be), returning the blocks left, except that a block is inlined into its
+    producer only where it reads the producer's buffer as it writes its own (_reads_as_written)."""
+    intermediates = {str(b.name) for b in sch.get(get_root_block(sch)).alloc_buffers}
+
+    def reverse_inline(block_rv):
+        block = sch.get(block_rv)
+        read = {str(r.source.name) for r in block.reads} & intermediates
+        if not all(_reads_as_written(block, name) for name in read):
+            raise s_tir.ScheduleError("not an elementwise consumer")
+        sch.reverse_compute_inline(block_rv)
+
+    infos = list(infos)
+    while True:
+        for inline in (sch.compute_inline, reverse_inline):
+            done = next((k for k, info in enumerate(infos) if _tried(inline, info.block_rv)), None)
+            if done is not None:
+                infos.pop(done)
+                break
+        else:
+            return infos
+
+
+def _tried(primitive, block_rv) -> bool:
+    """Whether the schedule primitive applied to the block (a refusal leaves the schedule as it was)."""
+    try:
+        primitive(block_rv)
+    except (s_tir.ScheduleError, tvm.error.InternalError):
+        return False
+    return True
 
 
 def _multiply_add(block):

@@ -118,6 +118,8 @@ LIFT = {id(f): to for f, to in (
     (aten.sub.Scalar, aten.sub.Tensor),
     (aten.mul.Scalar, aten.mul.Tensor),
     (aten.div.Scalar, aten.div.Tensor),
+    # A value read into Python and compared with a tensor: a line search's `f_new > f + c1 * t * gtd`.
+    *((getattr(aten, name).Scalar, getattr(aten, name).Tensor) for name in ("lt", "le", "gt", "ge", "eq", "ne")),
 )}
 
 
