@@ -171,8 +171,10 @@ def compile_options(be=None) -> tvm_lowering.Options:
 
 def cache_key(graph: Graph, donate: tuple, aliasing: bool):
     """The compile-cache key of `graph` compiled with donations `donate`, for steps that donate
-    buffers (`aliasing`) or not."""
-    return ("aliasing", graph.key, donate) if aliasing else graph.key
+    buffers (`aliasing`) or not. Under RATEX_USE_BF16 the same graph (its metas say float32)
+    computes in bfloat16: another program, under another key in memory and on disk."""
+    key = ("aliasing", graph.key, donate) if aliasing else graph.key
+    return ("bf16", key) if config.USE_BF16 else key
 
 
 def compile_graph(graph: Graph, key, donate=(), aliasing: bool = False) -> Program:

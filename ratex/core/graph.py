@@ -9,7 +9,9 @@ import operator
 import torch
 from torch import fx
 
+import tvm_lowering
 from tvm_lowering.ops.bounds import SITE
+from .device import stored_dtype
 from .ir import fill
 
 
@@ -78,7 +80,30 @@ def cut(roots: list) -> Graph:
 def _meta_tensor(meta):
     if meta is None:
         return None
-    return torch.empty(meta.shape, dtype=meta.dtype, device="meta")
+    return torch.empty(meta.shape, dtype=stored_dtype(meta.dtype), device="meta")
+
+
+def _stored(arg):
+    """`arg` with every torch.float32 in it (a `dtype=` argument) the dtype float32 data are stored in."""
+    if isinstance(arg, torch.dtype):
+        return stored_dtype(arg)
+    if type(arg) in (list, tuple):
+        return type(arg)(_stored(a) for a in arg)
+    return arg
+
+
+def _check_view_dtype(call, node):
+    """Raise a LoweringError (the node then runs eagerly, on float32 copies) for a bit-level view
+    from or to float32 under RATEX_USE_BF16: its bytes are bfloat16's, half as many."""
+    src = node.inputs[0][0].metas[node.inputs[0][1]].dtype
+    dst = node.metas[0].dtype
+    if src is dst or (stored_dtype(src) is src and stored_dtype(dst) is dst):
+        return
+    raise tvm_lowering.LoweringError(call, f"a {src} -> {dst} view reinterprets bits that RATEX_USE_BF16 "
+                                           "stores as bfloat16")
+
+
+_VIEW_DTYPE = torch.ops.aten.view.dtype
 
 
 def to_fx(graph: Graph) -> fx.Graph:
@@ -86,8 +111,11 @@ def to_fx(graph: Graph) -> fx.Graph:
 
     Each call node's meta has 'val' (meta tensors of its outputs), 'ratex_node' (the lazy IR
     node it came from) and the node's position in `graph.nodes`, by which a program's index
-    checks name it (tvm_lowering.ops.bounds.SITE).
+    checks name it (tvm_lowering.ops.bounds.SITE). Dtypes are those of the device data: under
+    RATEX_USE_BF16 a float32 value (and a `dtype=torch.float32` argument) is bfloat16, so the
+    program computes in bfloat16 what the user sees as float32.
     """
+    bf16 = stored_dtype(torch.float32) is not torch.float32
     g = fx.Graph()
     env = {}
     for i, (node, idx) in enumerate(graph.leaves):
@@ -109,11 +137,15 @@ def to_fx(graph: Graph) -> fx.Graph:
 
     for pos, node in enumerate(graph.nodes):
         args, kwargs = fill(node.spec, [lookup(v) for v in node.inputs])
+        if bf16:
+            args, kwargs = _stored(tuple(args)), {k: _stored(v) for k, v in kwargs.items()}
         call = g.call_function(node.op, tuple(args), dict(kwargs))
         vals = [_meta_tensor(m) for m in node.metas]
         call.meta["val"] = vals[0] if not node.multi else tuple(vals)
         call.meta["ratex_node"] = node
         call.meta[SITE] = pos
+        if bf16 and node.op is _VIEW_DTYPE:
+            _check_view_dtype(call, node)
         produced[id(node)] = call
         if not node.multi:
             env[(id(node), 0)] = call
