@@ -5,6 +5,7 @@ import hashlib
 import os
 import time
 
+import torch
 import tvm
 from tvm import relax
 
@@ -15,7 +16,7 @@ from .. import config, process
 from ..version import __version__
 from . import kernels  # noqa: F401  (registers the ratex.lib.* kernel library)
 from . import metrics, progress, tvm_log
-from .device import backend
+from .device import backend, stored_dtype
 from .launch import Pending
 from .graph import Graph, to_fx
 from .render import format_graph
@@ -194,8 +195,9 @@ def _compile(graph: Graph, key, donate: tuple, aliasing: bool) -> Program:
     with metrics.timed("LowerTime"):
         # With index checks: the program's last output tells which indices were out of range
         # (launch.py reads it, bounds.py names them).
+        fx = to_fx(graph, float32_as=stored_dtype(torch.float32))  # bfloat16 under RATEX_USE_BF16
         mod = tvm_lowering.import_graph(
-            to_fx(graph), library=options.library, host_kernels=be.target.host_kernels,
+            fx, library=options.library, host_kernels=be.target.host_kernels,
             library_min_macs=options.library_min_macs, checks=[],
         )
     _attach(be)
