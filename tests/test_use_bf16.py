@@ -8,10 +8,13 @@ import sys
 
 import pytest
 import torch
+import tvm
 
+import tvm_lowering
 from ratex import config
 from ratex.core import executor
-from ratex.core.graph import cut
+from ratex.core.device import CPUBackend, DLPackBackend
+from ratex.core.graph import cut, to_fx
 from ratex.core.tensor import LazyTensor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -293,3 +296,42 @@ def test_disk_cache_keeps_float32_and_bf16_programs_apart(tmp_path):
     values, compiled, hits = _run(_CACHED, RATEX_CACHE_DIR=str(tmp_path))
     torch.testing.assert_close(torch.tensor(values), f32)
     assert (compiled, hits) == (0, 1)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "dlpack"])
+def test_backends_store_float32_as_bfloat16(monkeypatch, backend):
+    """Data going in are rounded to bfloat16 (also a one-element upload, the DLPack backend's fill
+    path); data coming out are widened to the dtype asked for; other dtypes pass untouched."""
+    monkeypatch.setattr(config, "USE_BF16", True)
+    be = CPUBackend() if backend == "cpu" else DLPackBackend(tvm_lowering.resolve_target("CPU"),
+                                                              torch.device("cpu"), tvm.cpu())
+    x = torch.randn(5, 3).t()  # not contiguous
+    for data in (be.upload(x), be.adopt(x.clone()), be.upload(x[:1, :1])):
+        assert data.dtype == torch.bfloat16
+    data = be.upload(x)
+    assert torch.equal(be.download(data, torch.float32), x.bfloat16().float())
+    assert be.download(data).dtype == torch.bfloat16
+    assert torch.equal(be.view_cpu(data, torch.float32), x.bfloat16().float())
+    assert be.full((2,), 0.1, torch.float32).dtype == torch.bfloat16
+    assert be.upload(x.double()).dtype == torch.float64 and be.upload(x.half()).dtype == torch.float16
+
+
+def test_to_fx_writes_the_stored_dtype():
+    """The lowered graph says bfloat16 wherever the user's says float32: metas and dtype= arguments."""
+    x = LazyTensor.from_cpu(torch.ones(4, 3))
+    y = x.sum(0, dtype=torch.float32) * 2
+    graph = cut([y._value()])
+    lowered = to_fx(graph, float32_as=torch.bfloat16)
+    calls = [n for n in lowered.nodes if n.op in ("placeholder", "call_function")]
+    assert all(n.meta["val"].dtype == torch.bfloat16 for n in calls if n.meta.get("val") is not None)
+    assert any(n.kwargs.get("dtype") is torch.bfloat16 for n in calls)
+    plain = to_fx(graph)
+    assert all(n.meta["val"].dtype == torch.float32 for n in plain.nodes if n.meta.get("val") is not None)
+
+
+def test_to_fx_refuses_bit_views_of_stored_float32():
+    x = LazyTensor.from_cpu(torch.ones(4))
+    graph = cut([x.view(torch.int32)._value()])
+    with pytest.raises(tvm_lowering.LoweringError, match="RATEX_USE_BF16"):
+        to_fx(graph, float32_as=torch.bfloat16)
+    to_fx(graph)
