@@ -152,3 +152,4 @@ TVM_NUM_THREADS = _count("TVM_NUM_THREADS", None, 0, "a whole number")  # TVM's 
 TVM_POOL_YIELD = _flag("RATEX_TVM_POOL_YIELD", True)  # TVM's idle workers sleep and are not pinned
 RETAIN_MEMORY = _flag("RATEX_RETAIN_MEMORY", True)  # glibc keeps freed memory for the next step
 TORCH_LAZY_STEP = _flag("RATEX_TORCH_LAZY_STEP", True)  # torch._lazy.mark_step drives ratex
+GC_FREEZE = _flag("RATEX_GC_FREEZE", True)  # after warm-up, what is alive leaves the cyclic GC's scans

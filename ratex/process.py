@@ -6,12 +6,15 @@
 | `TVM_NUM_THREADS` = torch's thread count; torch's = `RATEX_NUM_THREADS` where set | a program runs TVM kernels on TVM's pool and library kernels on torch's, one after the other: one thread budget for both | `RATEX_SHARE_THREADS=false` (TVM's default: all cores), or `TVM_NUM_THREADS` set yourself; torch's count changes only with `RATEX_NUM_THREADS` |
 | glibc's mmap threshold 32 MB, trim threshold 256 MB | freed buffers stay with the process, as PyTorch's CUDA caching allocator keeps device memory: with glibc's defaults a freed block of a few MB goes back to the OS and the next step page-faults it in again | `RATEX_RETAIN_MEMORY=false`, or `MALLOC_MMAP_THRESHOLD_` / `MALLOC_TRIM_THRESHOLD_` set yourself; nothing off glibc |
 | `torch._lazy.mark_step`, `wait_device_ops` and `sync_multi` run ratex's; `torch._lazy.metrics` reads ratex's counters | ratex is the lazy device's backend: code written for torch._lazy steps it, and reads its counters, too | `RATEX_TORCH_LAZY_STEP=false` |
+| after the first step that compiles nothing following one that compiled: `gc.collect()`, then `gc.freeze()` | a traced step makes thousands of objects that outlive a young collection and die at mark_step without cycles; they count towards CPython's next full collection, which then scans the whole heap (torch, transformers, the model) every few dozen steps. Frozen objects are still freed by reference counting; cyclic garbage among them (none in a steady training step, nor in torch modules and optimizers) waits for a later settle that unfreezes | `RATEX_GC_FREEZE=false` |
 
 The settings come from ratex/config.py, which parses them.
 """
 import ctypes
+import gc
 import os
 import sys
+import time
 
 import torch
 import torch._lazy
@@ -88,4 +91,41 @@ def drive_torch_lazy(lazy_model, metrics) -> bool:
     torch._lazy.sync_multi = lambda tensors, devices=None: lazy_model.sync_tensors(tensors)
     for name in ("counter_names", "counter_value", "metrics_report", "reset"):
         setattr(torch._lazy.metrics, name, getattr(metrics, name))
+    return True
+
+
+_heap = {"grew": True, "now": False, "full_at": None, "full_cost": 0.0}
+_FULL_SHARE = 0.02  # the most of the time between settles that full collections may take
+
+
+def heap_grew():
+    """Note that a program was compiled or loaded (its objects join the heap); returns nothing."""
+    _heap["grew"] = _heap["now"] = True
+
+
+def settle_heap() -> bool:
+    """At the end of a step: if it made no program but programs were made since the last settle,
+    collect the cyclic garbage and freeze what is left out of the GC's later scans (see the
+    table above; RATEX_GC_FREEZE=false: never). Return whether it did.
+
+    A frozen object that becomes cyclic garbage later (a model in a reference cycle, deleted)
+    is not collected while frozen, so a settle unfreezes and collects the whole heap when that
+    keeps full collections under 2% of the time since the last one; otherwise it collects only
+    what is not frozen yet, which costs little once the large, old part of the heap is frozen.
+    """
+    if _heap["now"]:
+        _heap["now"] = False  # a step that compiled: the one after it is the first steady one
+        return False
+    if not _heap["grew"] or not config.GC_FREEZE:
+        return False
+    _heap["grew"] = False
+    start = time.perf_counter()
+    full = _heap["full_at"] is None or start - _heap["full_at"] >= _heap["full_cost"] / _FULL_SHARE
+    if full:
+        gc.unfreeze()
+    gc.collect()
+    gc.freeze()
+    if full:
+        _heap["full_at"] = end = time.perf_counter()
+        _heap["full_cost"] = end - start
     return True

@@ -119,3 +119,53 @@ def test_torch_lazy_step_api_drives_ratex(dev):
     torch._lazy.wait_device_ops()
     assert metrics.counter_value("MarkStep") == 1
     torch.testing.assert_close(y.cpu(), torch.full((2,), 3.0))
+
+
+class _Cycle:
+    def __init__(self):
+        self.me = self
+
+
+def test_heap_settles_once_after_warm_up(dev, monkeypatch):
+    """The first step that compiles nothing after steps that did collects the cyclic garbage
+    and freezes the rest; later steady steps do neither; a new program makes the next steady
+    step settle again; RATEX_GC_FREEZE=false never freezes."""
+    import gc
+    import weakref
+
+    import ratex.lazy_tensor_core.core.lazy_model as lm
+    from ratex import config, process
+
+    monkeypatch.setattr(process, "_heap", {"grew": False, "now": False, "full_at": None, "full_cost": 0.0})
+    freezes = []
+    real_freeze = gc.freeze
+    monkeypatch.setattr(gc, "freeze", lambda: (freezes.append(1), real_freeze()))
+    monkeypatch.setattr(config, "GC_FREEZE", True)
+    from ratex.core import sync
+    sync.reset_cache()  # the steps below compile, whatever ran before in this process
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(7, 3).to(dev)
+
+    def step(rows):
+        model.zero_grad(set_to_none=True)
+        model(torch.randn(rows, 7).to(dev)).sum().backward()
+        lm.mark_step()
+
+    step(5)  # compiles
+    assert freezes == []
+    garbage = _Cycle()
+    gone = weakref.ref(garbage)
+    del garbage
+    step(5)  # the first steady step
+    assert freezes == [1] and gone() is None and gc.get_freeze_count() > 0
+    step(5)
+    step(5)
+    assert freezes == [1]
+    step(6)  # a new shape: a new program
+    step(6)
+    assert freezes == [1, 1]
+    monkeypatch.setattr(config, "GC_FREEZE", False)
+    step(4)
+    step(4)
+    assert freezes == [1, 1]

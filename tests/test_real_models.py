@@ -326,3 +326,39 @@ def test_model_trains_like_cpu(dev, name, script):
     program a step."""
     make, batches, loss_fn = OWN[name]
     _check(make, batches(), loss_fn, dev, script=script)
+
+
+@pytest.mark.parametrize("native_runner", [True, False], ids=["native-runner", "python-runner"])
+def test_hf_in_place_updates_keep_no_old_tensor_objects(dev, monkeypatch, native_runner):
+    """With ENABLE_PARAM_ALIASING a step writes each parameter and momentum into its own buffer;
+    the tensor objects on that buffer must not grow by one a step (each a DLPack view keeping
+    the step before's alive: a leak, and a chain whose final free recurses once per step)."""
+    import gc
+
+    from ratex import config
+
+    monkeypatch.setattr(config, "PARAM_ALIASING", True)
+    monkeypatch.setattr(config, "NATIVE_RUNNER", native_runner)
+    monkeypatch.setattr(config, "GC_FREEZE", False)  # gc.get_objects() does not list frozen objects
+    torch.manual_seed(0)
+    model = _gpt2().to(dev)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    weight = model.transformer.h[0].ln_1.weight
+
+    def on_buffer(ptr):
+        gc.collect()
+        return sum(type(o) is torch.Tensor and o.data_ptr() == ptr for o in gc.get_objects())
+
+    batches, counts, ptrs = _hf_batches(), [], []
+    for step in range(10):
+        opt.zero_grad()
+        loss = _hf_loss(model, *(t.to(dev) for t in batches[step % len(batches)]))
+        loss.backward()
+        opt.step()
+        lm.mark_step()
+        loss.item()
+        if step in (3, 9):
+            ptrs.append(weight._device_data().data_ptr())
+            counts.append(on_buffer(ptrs[-1]))
+    assert ptrs[0] == ptrs[1], "the weight was not updated in place"
+    assert counts[1] == counts[0], f"tensor objects on the weight's buffer grew from {counts[0]} to {counts[1]}"

@@ -17,6 +17,7 @@ from ..version import __version__
 from . import kernels  # noqa: F401  (registers the ratex.lib.* kernel library)
 from . import metrics, progress, tvm_log
 from .device import backend, stored_dtype
+from . import launch
 from .launch import Pending
 from .graph import Graph, to_fx
 from .render import format_graph
@@ -88,6 +89,7 @@ class Program:
             for j in self.constant:  # a folded constant: the same buffer every run; donating it would change it
                 outs[j] = be.copy(outs[j])
             _own_buffers(be, inputs, outs, self.donate)
+            launch.reuse_donated(inputs, outs, self.donate)
         return outs
 
     def _check_graph_inputs(self, inputs: list):

@@ -23,6 +23,7 @@ import os
 import queue
 import threading
 
+import torch
 import tvm_ffi
 
 from .. import config
@@ -64,17 +65,37 @@ def _reported(job, note: str = "") -> ExecutionError:
     return ExecutionError(f"ratex: executing {job.label} failed: {type(err).__name__}: {err}{note}")
 
 
+def reuse_donated(inputs, outs: list, donate) -> None:
+    """Hand back an input's own tensor for each output written into its buffer.
+
+    The output comes back from TVM as a new tensor viewing the input's buffer through DLPack,
+    and that view keeps the input's tensor object alive. Kept as the next step's input, each
+    step would add one link to a chain per updated parameter and optimizer state that is never
+    freed (and that, once long, overflows the stack when it finally is). `inputs`: a sequence,
+    or a dict of the inputs known by position.
+    """
+    get = inputs.get if isinstance(inputs, dict) else (lambda i: inputs[i] if i < len(inputs) else None)
+    for i, j in donate:
+        x, out = get(i), outs[j]
+        if (x is not None and out is not x and type(x) is torch.Tensor and type(out) is torch.Tensor
+                and out.data_ptr() == x.data_ptr() and out.dtype == x.dtype and out.shape == x.shape
+                and out.stride() == x.stride()):
+            outs[j] = x
+
+
+
 class Job:
     """One launched program run: inputs in, outputs (or an error) out."""
 
     __slots__ = ("program", "inputs", "targets", "pendings", "outs", "error", "done", "restore", "lost", "label",
-                 "ticket", "sites", "after")
+                 "ticket", "sites", "after", "donors")
 
     def __init__(self, program, inputs, targets, label, sites=None):
         """`sites`: the graph's nodes, which the program's index checks name by position."""
         self.program, self.inputs, self.targets, self.label, self.sites = program, inputs, targets, label, sites
         self.outs = self.error = self.ticket = None  # ticket: the native runner's, until collected
         self.after = ()  # earlier native jobs whose outputs this one read before they were collected
+        self.donors = None  # a native run's inputs by position whose buffers it writes in place (reuse_donated)
         self.restore = _restore_ctx[0]
         self.lost = ()  # (id(node), index) of old values whose buffers the run writes in place
         self.pendings = [Pending(self, k) for k in range(len(targets))]
@@ -132,6 +153,8 @@ class Job:
                 args.append(x)
             self.ticket = launcher(*args)
             self.after = tuple(after)
+            if self.program.aliasing and self.program.donate:
+                self.donors = {i: args[i] for i, _ in self.program.donate if type(args[i]) is torch.Tensor}
         except BaseException as err:  # noqa: BLE001 - reported at the next sync point, as run() does
             self._fail(err)
             self.targets = self.pendings = self.sites = None
@@ -166,6 +189,8 @@ class Job:
                 got = got[:]
                 metrics.record("ExecuteTime", got[0], got[1])
                 self.outs = got[2:]
+                if self.donors:
+                    reuse_donated(self.donors, self.outs, self.program.donate)
                 self._check_indices()
                 for job in self.after:  # it ran on their outputs: garbage where they failed their checks
                     job._collect()
@@ -175,7 +200,7 @@ class Job:
         except BaseException as err:  # noqa: BLE001 - reported at the next sync point
             self._fail(err)
         finally:
-            self.targets = self.pendings = self.sites = None
+            self.targets = self.pendings = self.sites = self.donors = None
             self.after = ()
             self.done.set()
 

@@ -7,7 +7,7 @@ to compile or run eagerly and hands compiled programs over. Importing it install
 import warnings
 
 import tvm_lowering
-from .. import config
+from .. import config, process
 from . import explain, launch, metrics, storage, tensor
 from .launch import ExecutionError, Pending, resolve  # noqa: F401  (the sync API)
 from .executor import CACHE, cache_key, compile_graph, load_program
@@ -120,6 +120,7 @@ def _execute(values: list, written, aliasing: bool):
             launch.drain()  # no compiling or loading while a program runs: TVM's codegen isn't safe next to it
         if program is None and (program := load_program(graph, key, donate, aliasing)) is not None:
             CACHE.put(key, program)  # from the persistent cache (RATEX_CACHE_DIR)
+            process.heap_grew()
             explain.compiled(graph, "loaded")
         elif program is None:
             stuck = [n for n in graph.nodes
@@ -151,6 +152,7 @@ def _execute(values: list, written, aliasing: bool):
                 continue
             metrics.counter_inc("UncachedCompile")
             CACHE.put(key, program)
+            process.heap_grew()
             explain.compiled(graph)
         else:
             metrics.counter_inc("CachedCompile")
@@ -221,6 +223,7 @@ def mark_step():
             execute([st.value for st in storages], storages)
         for st in storages:
             st.rebind()
+    process.settle_heap()
     if _step_closures:
         wait_device_ops()
         closures = _step_closures[:]
