@@ -79,6 +79,16 @@ def _log_level():
     return _choice("RATEX_LOG_LEVEL", raw, ("DEBUG", "INFO", "WARNING", "ERROR")) if raw.strip() else None
 
 
+def _use_bf16() -> bool:
+    """RATEX_USE_BF16, or its alias LTC_USE_BF16 (the LTC documents' name): float32 tensors are
+    stored and computed as bfloat16 on the device. Where both are set they must agree."""
+    ours, alias = _flag("RATEX_USE_BF16", False), _flag("LTC_USE_BF16", False)
+    if "RATEX_USE_BF16" in os.environ and "LTC_USE_BF16" in os.environ and ours != alias:
+        raise ValueError(f"RATEX_USE_BF16={os.environ['RATEX_USE_BF16']!r} and LTC_USE_BF16="
+                         f"{os.environ['LTC_USE_BF16']!r} disagree; set one of them, or both to the same value")
+    return ours or alias
+
+
 def _cuda_graph() -> bool:
     """RATEX_CUDA_GRAPH: programs replay CUDA graphs, on a target that has them."""
     on = _flag("RATEX_CUDA_GRAPH", False)
@@ -103,6 +113,10 @@ CPU_SCHEDULE = _flag("RATEX_CPU_SCHEDULE", True)
 # rolled back like the others but keep the failed value, so reading them raises
 # the step's error again rather than returning a half-updated buffer.
 PARAM_ALIASING = _flag("ENABLE_PARAM_ALIASING", False)
+# torch_xla's XLA_USE_BF16: float32 tensors keep dtype float32 for the user (reads give float32)
+# but their device data are bfloat16 and the programs compute them as bfloat16. Fixed at import:
+# device data made under one setting are not valid under the other.
+USE_BF16 = _use_bf16()
 
 # ---- how programs run ---------------------------------------------------------------------
 # CUDA graphs: a GPU program's kernels that touch only its intermediates and the tensors the step

@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from . import config
 from .core import metrics, sync
-from .core.device import backend
+from .core.device import backend, stored_dtype
 from .core.ir import Meta, Node
 from .core.tensor import LazyTensor, is_lazy
 from .core.tracing.registry import HANDLER, register
@@ -124,16 +124,17 @@ def _materialize(tensors):
 
 
 def _comm_copy(t: LazyTensor, cuda: bool) -> torch.Tensor:
-    """A torch tensor holding `t`'s computed value that a collective may overwrite."""
+    """A torch tensor of `t`'s dtype holding its computed value, which a collective may overwrite
+    (collectives run in the dtype the user sees, also where the device stores float32 as bfloat16)."""
     data = t._device_data()
     if cuda:
-        return torch.from_dlpack(data).clone()
-    return backend().download(data)
+        return torch.from_dlpack(data).to(t.dtype, copy=True)
+    return backend().download(data, t.dtype)
 
 
 def _device_data(comm: torch.Tensor):
     if comm.is_cuda:  # the GPU target's device data are torch CUDA tensors (device.DLPackBackend)
-        return comm.contiguous()
+        return comm.to(stored_dtype(comm.dtype)).contiguous()
     return backend().adopt(comm)
 
 
@@ -245,9 +246,9 @@ def _buckets(tensors):
 def _flat(bucket, cuda: bool) -> torch.Tensor:
     data = [t._device_data() for t in bucket]
     if cuda:
-        views = [torch.from_dlpack(d) for d in data]
+        views = [torch.from_dlpack(d).to(t.dtype) for d, t in zip(data, bucket)]
     else:
-        views = [backend().view_cpu(d) for d in data]
+        views = [backend().view_cpu(d, t.dtype) for d, t in zip(data, bucket)]
     return torch.cat([v.reshape(-1) for v in views])
 
 

@@ -21,6 +21,8 @@ Systems:
   ratex_amp     ratex_lazy with the forward and loss under ratex.amp.autocast(dtype=torch.bfloat16)
                 (not in the default set: name it with --systems); its loss is checked against
                 ratex_lazy's float32 loss: within 2%
+  ratex_bf16    ratex_lazy with RATEX_USE_BF16=1: float32 tensors stored and computed as bfloat16
+                on the device (not in the default set); its loss is checked as ratex_amp's
   ratex_compile torch.compile(train_step, backend="ratex"): dynamo and AOTAutograd capture
                 forward, backward and optimizer step once; ratex compiles them with TVM and
                 runs them on CPU tensors (CUDA tensors with --device gpu)
@@ -93,13 +95,14 @@ import sys
 import tempfile
 import time
 
-SYSTEMS = ["eager", "compile", "torch_lazy", "ratex_lazy", "ratex_script", "ratex_compile", "ratex_amp"]
-DEFAULT_SYSTEMS = [s for s in SYSTEMS if s != "ratex_amp"]
-AMP_TOLERANCE = 0.02  # a bfloat16 autocast run's final loss, relative to float32's
+SYSTEMS = ["eager", "compile", "torch_lazy", "ratex_lazy", "ratex_script", "ratex_compile", "ratex_amp", "ratex_bf16"]
+BF16_SYSTEMS = ("ratex_amp", "ratex_bf16")  # train in bfloat16; their loss is checked against ratex_lazy's
+DEFAULT_SYSTEMS = [s for s in SYSTEMS if s not in BF16_SYSTEMS]
+AMP_TOLERANCE = 0.02  # a bfloat16 run's final loss, relative to float32's
 MODELS = ["lenet-b1", "lenet-b64", "mnist-b64", "mlp-b128", "gpt2l-b8"]
 REAL_MODELS = ["hf-gpt2-b4", "hf-bert-b4", "lstm-b8"]  # --models real: models nobody here tuned for
 DIST_MODELS = ["gpt2l-b8", "mlp-b128"]  # --nproc: the models whose gradients are worth all-reducing
-LAZY_RATEX = ("ratex_lazy", "ratex_script", "ratex_amp")  # the lazy device: traced per op, a program per mark_step
+LAZY_RATEX = ("ratex_lazy", "ratex_script", "ratex_amp", "ratex_bf16")  # the lazy device: traced per op, a program per mark_step
 RATEX = (*LAZY_RATEX, "ratex_compile")
 MARK = "BENCH_RESULT "
 
@@ -371,6 +374,10 @@ def spawn(model, system, args):
     if system in RATEX:  # the seed tutorial's setting: parameters and optimizer state update in place
         env["ENABLE_PARAM_ALIASING"] = "false" if args.no_param_aliasing else "true"
         env["RATEX_DEVICE"] = args.device.upper()
+        for var in ("RATEX_USE_BF16", "LTC_USE_BF16"):  # bfloat16 storage is the ratex_bf16 cell's alone
+            env.pop(var, None)
+        if system == "ratex_bf16":
+            env["RATEX_USE_BF16"] = "1"
     if not args.warm_cache:
         if system in RATEX:
             env["RATEX_CACHE_DIR"] = ""
@@ -488,7 +495,7 @@ def report(models, systems, cells, args):
                 loss = f"{r['final_loss']:.4f}"
                 compiles = str(r.get("compiles", ""))
                 lazy = cells.get((m, "ratex_lazy"))
-                if s == "ratex_amp":
+                if s in BF16_SYSTEMS:
                     if lazy is None or "error" in lazy:
                         check = "- (no ratex_lazy)"
                     else:
@@ -553,7 +560,7 @@ def main():
     p.add_argument("--models", help="comma-separated: " + ",".join(MODELS + REAL_MODELS) + ", or real for the last "
                    + str(len(REAL_MODELS)) + " (default: the first " + str(len(MODELS)) + "; with --nproc "
                    + ",".join(DIST_MODELS) + ")")
-    p.add_argument("--systems", help="comma-separated: " + ",".join(SYSTEMS) + " (default: all but ratex_amp; "
+    p.add_argument("--systems", help="comma-separated: " + ",".join(SYSTEMS) + " (default: all but " + " and ".join(BF16_SYSTEMS) + "; "
                    "with --device gpu also not torch_lazy)")
     p.add_argument("--device", choices=("cpu", "gpu"), default="cpu",
                    help="gpu: eager and compile on CUDA, ratex with RATEX_DEVICE=GPU")

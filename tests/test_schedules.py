@@ -174,3 +174,14 @@ def test_contraction_over_one_element_keeps_its_epilogue_outside():
     r, c = torch.rand(4, 1) + 0.5, torch.rand(1, 8) + 0.5
     check(lambda r, c: ((r @ c).rsqrt(), (r @ c).sqrt(), (r @ c).reciprocal(), (r @ c * 2 - 1).relu(),
                         torch.bmm(r[None], c[None]).rsqrt()), r, c, ops=["mm.default", "rsqrt.default"])
+
+
+def test_large_bfloat16_fills_and_expands_compile():
+    """TVM's bfloat16 legalization failed on a vectorized store of a broadcast value (a zero fill,
+    an expand of one element), so these kernels, above the size the schedules parallelize, ran on
+    CPU PyTorch: a bfloat16 block keeps its innermost loop serial."""
+    grad = rnd(8, 64, 32).bfloat16()
+    ids = torch.randint(0, 100, (8, 64))
+    check(lambda g, i: torch.ops.aten.embedding_dense_backward(g, i, 100, -1, False), grad, ids,
+          ops=["embedding_dense_backward.default"], rtol=2 ** -7, atol=1e-2)
+    check(lambda x: x.sum().expand(64, 128).contiguous(), rnd(64, 128).bfloat16(), rtol=2 ** -7, atol=0.5)

@@ -67,7 +67,11 @@ def _vectorize_block(sch, block_rv):
     if not loops or any(not isinstance(e, int) or e <= 0 for e in extents):
         return  # empty or symbolic: nothing worth scheduling
     if math.prod(extents) >= _MIN_PARALLEL:  # small kernels stay as they are (and their libm calls scalar)
-        _vectorize_innermost(sch, loops, extents)
+        # TVM's bfloat16 legalization fails on a vectorized store of a broadcast value (a zero fill,
+        # an expand of one element: "buffer's dtype is uint16 ... RHS's dtype is bfloat16x16"):
+        # a bfloat16 block runs its outer loops in parallel and leaves the innermost to LLVM.
+        vector = not any(str(w.source.dtype) == "bfloat16" for w in sch.get(block_rv).writes)
+        _vectorize_innermost(sch, loops, extents, vector)
 
 
 class Contraction(CPUScheduleRule):
@@ -404,7 +408,7 @@ def _ops_per_element(sch, block_rv) -> float:
         return math.inf
 
 
-def _vectorize_innermost(sch, loops, extents):
+def _vectorize_innermost(sch, loops, extents, vector=True):
     """Vectorize the innermost loop (split by the widest of 16/8/4/2 lanes that divides it) and
     run the loops outside it in parallel.
 
@@ -412,17 +416,17 @@ def _vectorize_innermost(sch, loops, extents):
     every loop and splitting off 16 lanes instead makes each lane's
     indices a div/mod of the fused index wherever the row length isn't a multiple of 16
     (28, 10, 5: conv activations), and LLVM then gathers lane by lane: relu on a 64x6x28x28
-    tensor runs far slower that way.
+    tensor runs far slower that way. Not `vector`: the innermost loop stays serial, left to LLVM.
     """
     *outer, last = loops
     width = next((w for w in (16, 8, 4, 2) if extents[-1] % w == 0 and extents[-1] > w), None)
-    if width is not None:
+    if vector and width is not None:
         rest, lanes = sch.split(last, [None, width])
         outer.append(rest)
         sch.vectorize(lanes)
-    elif extents[-1] <= _VECTOR:
+    elif vector and extents[-1] <= _VECTOR:
         sch.vectorize(last)  # a short row (5, 7): one vector of its length
-    else:
+    elif vector:
         outer.append(last)  # a long row of prime length: left to LLVM
     total = 1
     for e in extents:

@@ -9,6 +9,9 @@ through numpy). Nothing outside this module needs to know which.
 
 Each backend is registered under the name of its compile target
 (tvm_lowering/targets.py); RATEX_DEVICE picks both.
+
+Under RATEX_USE_BF16 the device data of a float32 tensor are bfloat16 (`stored_dtype`): data
+going in are rounded to bfloat16, data coming out are widened to the dtype the caller names.
 """
 import functools
 
@@ -20,6 +23,17 @@ from tvm_lowering import resolve_target
 
 LAZY = torch.device("lazy", 0)
 BACKENDS = {}  # target name -> the backend class that exchanges its data
+
+
+def stored_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Return the dtype of the device data of a tensor of `dtype`: bfloat16 for float32 under
+    RATEX_USE_BF16, else `dtype` itself."""
+    return torch.bfloat16 if dtype is torch.float32 and config.USE_BF16 else dtype
+
+
+def _widened(cpu: torch.Tensor, dtype) -> torch.Tensor:
+    """`cpu` as `dtype` (a new tensor), or `cpu` itself where `dtype` is None or its own."""
+    return cpu if dtype is None or cpu.dtype is dtype else cpu.to(dtype)
 
 
 def register(name: str):
@@ -48,23 +62,31 @@ class CPUBackend:
 
     def upload(self, cpu: torch.Tensor):
         """Return device data holding a private copy of `cpu`."""
+        stored = stored_dtype(cpu.dtype)
+        if stored is not cpu.dtype:
+            return cpu.detach().to(stored, memory_format=torch.contiguous_format)
         return cpu.detach().clone(memory_format=torch.contiguous_format)
 
     def adopt(self, cpu: torch.Tensor):
         """Return device data that takes over `cpu` (caller promises not to keep it)."""
+        stored = stored_dtype(cpu.dtype)
+        if stored is not cpu.dtype:
+            return cpu.to(stored, memory_format=torch.contiguous_format)
         return cpu if cpu.is_contiguous() else cpu.contiguous()
 
     def full(self, shape: tuple, value, dtype: torch.dtype):
-        """Return new device data of `shape` and `dtype` holding `value` everywhere."""
-        return torch.full(shape, value, dtype=dtype)
+        """Return new device data of `shape` for a tensor of `dtype`, holding `value` everywhere."""
+        return torch.full(shape, value, dtype=stored_dtype(dtype))
 
-    def download(self, data) -> torch.Tensor:
-        """Return a CPU tensor the caller may modify."""
-        return self.view_cpu(data).clone()
+    def download(self, data, dtype: torch.dtype = None) -> torch.Tensor:
+        """Return a CPU tensor the caller may modify, of `dtype` (default: the data's own)."""
+        cpu = self.view_cpu(data)
+        return cpu.clone() if dtype is None or cpu.dtype is dtype else cpu.to(dtype)
 
-    def view_cpu(self, data) -> torch.Tensor:
-        """Return a read-only-by-convention CPU view of the data (no copy when possible)."""
-        return data if type(data) is torch.Tensor else torch.from_dlpack(data)
+    def view_cpu(self, data, dtype: torch.dtype = None) -> torch.Tensor:
+        """Return a read-only-by-convention CPU view of the data as `dtype` (default: the data's
+        own; no copy when possible)."""
+        return _widened(data if type(data) is torch.Tensor else torch.from_dlpack(data), dtype)
 
     def call(self, fn, inputs: list, empty: bool) -> list:
         """Run the compiled function `fn` on device data; return its outputs as device data.
@@ -117,9 +139,10 @@ class DLPackBackend:
     def upload(self, cpu: torch.Tensor):
         """Return device data holding a private copy of `cpu`; the copy is queued, not waited for."""
         src = cpu.detach()
+        stored = stored_dtype(src.dtype)
         if src.numel() == 1:  # a scalar (a learning rate, every step): the fill kernel carries it, exactly
-            return torch.full(src.shape, src.item(), dtype=src.dtype, device=self.device)
-        dst = torch.empty(src.shape, dtype=src.dtype, device=self.device)
+            return torch.full(src.shape, src.item(), dtype=stored, device=self.device)
+        dst = torch.empty(src.shape, dtype=stored, device=self.device)
         if not src.numel():
             return dst
         if self._pinned:
@@ -127,18 +150,21 @@ class DLPackBackend:
             # thread goes on tracing (from pageable memory it would wait for that program). The
             # staging buffer comes from torch's caching host allocator, which takes a block back
             # for reuse once the copy that reads it has run: no page-locking per upload.
-            src = torch.empty(src.shape, dtype=src.dtype, pin_memory=True).copy_(src)
+            # Rounded to the stored dtype on the host: a bfloat16 copy moves half the bytes.
+            src = torch.empty(src.shape, dtype=stored, pin_memory=True).copy_(src)
         return dst.copy_(src, non_blocking=True)
 
     adopt = upload
 
     def full(self, shape: tuple, value, dtype: torch.dtype):
-        """Return new device data of `shape` and `dtype` holding `value` everywhere (filled on the device)."""
-        return torch.full(shape, value, dtype=dtype, device=self.device)
+        """Return new device data of `shape` for a tensor of `dtype`, holding `value` everywhere
+        (filled on the device)."""
+        return torch.full(shape, value, dtype=stored_dtype(dtype), device=self.device)
 
-    def download(self, data) -> torch.Tensor:
-        """Return a CPU tensor the caller may modify (it waits for the kernels that write `data`)."""
-        return self.tensor(data).to("cpu", copy=True)
+    def download(self, data, dtype: torch.dtype = None) -> torch.Tensor:
+        """Return a CPU tensor the caller may modify, of `dtype` (default: the data's own; it
+        waits for the kernels that write `data`)."""
+        return _widened(self.tensor(data).to("cpu", copy=True), dtype)
 
     view_cpu = download
 

@@ -5,6 +5,7 @@ import hashlib
 import os
 import time
 
+import torch
 import tvm
 from tvm import relax
 
@@ -15,7 +16,7 @@ from .. import config, process
 from ..version import __version__
 from . import kernels  # noqa: F401  (registers the ratex.lib.* kernel library)
 from . import metrics, progress, tvm_log
-from .device import backend
+from .device import backend, stored_dtype
 from . import launch
 from .launch import Pending
 from .graph import Graph, to_fx
@@ -173,8 +174,10 @@ def compile_options(be=None) -> tvm_lowering.Options:
 
 def cache_key(graph: Graph, donate: tuple, aliasing: bool):
     """The compile-cache key of `graph` compiled with donations `donate`, for steps that donate
-    buffers (`aliasing`) or not."""
-    return ("aliasing", graph.key, donate) if aliasing else graph.key
+    buffers (`aliasing`) or not. Under RATEX_USE_BF16 the same graph (its metas say float32)
+    computes in bfloat16: another program, under another key in memory and on disk."""
+    key = ("aliasing", graph.key, donate) if aliasing else graph.key
+    return ("bf16", key) if config.USE_BF16 else key
 
 
 def compile_graph(graph: Graph, key, donate=(), aliasing: bool = False) -> Program:
@@ -194,8 +197,9 @@ def _compile(graph: Graph, key, donate: tuple, aliasing: bool) -> Program:
     with metrics.timed("LowerTime"):
         # With index checks: the program's last output tells which indices were out of range
         # (launch.py reads it, bounds.py names them).
+        fx = to_fx(graph, float32_as=stored_dtype(torch.float32))  # bfloat16 under RATEX_USE_BF16
         mod = tvm_lowering.import_graph(
-            to_fx(graph), library=options.library, host_kernels=be.target.host_kernels,
+            fx, library=options.library, host_kernels=be.target.host_kernels,
             library_min_macs=options.library_min_macs, checks=[],
         )
     _attach(be)

@@ -9,6 +9,7 @@ import operator
 import torch
 from torch import fx
 
+import tvm_lowering
 from tvm_lowering.ops.bounds import SITE
 from .ir import fill
 
@@ -75,24 +76,50 @@ def cut(roots: list) -> Graph:
     return Graph(leaves, nodes, list(roots), (leaf_metas, tuple(entries), root_refs), leaf_pos)
 
 
-def _meta_tensor(meta):
+def _meta_tensor(meta, float32_as=torch.float32):
     if meta is None:
         return None
-    return torch.empty(meta.shape, dtype=meta.dtype, device="meta")
+    dtype = float32_as if meta.dtype is torch.float32 else meta.dtype
+    return torch.empty(meta.shape, dtype=dtype, device="meta")
 
 
-def to_fx(graph: Graph) -> fx.Graph:
+def _stored(arg, float32_as):
+    """`arg` with every torch.float32 in it (a `dtype=` argument) replaced by `float32_as`."""
+    if arg is torch.float32:
+        return float32_as
+    if type(arg) in (list, tuple):
+        return type(arg)(_stored(a, float32_as) for a in arg)
+    return arg
+
+
+def _check_view_dtype(call, node):
+    """Raise a LoweringError (the node then runs eagerly, on float32 copies) for a bit-level view
+    from or to float32 where float32 data are stored in another dtype: its bytes are not there."""
+    src = node.inputs[0][0].metas[node.inputs[0][1]].dtype
+    dst = node.metas[0].dtype
+    if src is not dst and torch.float32 in (src, dst):
+        raise tvm_lowering.LoweringError(call, f"a {src} -> {dst} view reinterprets bits that RATEX_USE_BF16 "
+                                               "stores as bfloat16")
+
+
+_VIEW_DTYPE = torch.ops.aten.view.dtype
+
+
+def to_fx(graph: Graph, float32_as: torch.dtype = torch.float32) -> fx.Graph:
     """Return the graph as a torch.fx.Graph of ATen OpOverloads (for lowering and display).
 
     Each call node's meta has 'val' (meta tensors of its outputs), 'ratex_node' (the lazy IR
     node it came from) and the node's position in `graph.nodes`, by which a program's index
-    checks name it (tvm_lowering.ops.bounds.SITE).
+    checks name it (tvm_lowering.ops.bounds.SITE). `float32_as`: the dtype of the device data of
+    float32 values (bfloat16 under RATEX_USE_BF16), written for float32 in every meta and `dtype=`
+    argument, so that the program computes in it what the user sees as float32.
     """
+    stored = float32_as is not torch.float32
     g = fx.Graph()
     env = {}
     for i, (node, idx) in enumerate(graph.leaves):
         p = g.placeholder(f"in{i}")
-        p.meta["val"] = _meta_tensor(node.metas[idx])
+        p.meta["val"] = _meta_tensor(node.metas[idx], float32_as)
         env[(id(node), idx)] = p
     produced = {}
 
@@ -103,17 +130,21 @@ def to_fx(graph: Graph) -> fx.Graph:
             return hit
         call = produced[id(node)]
         item = g.call_function(operator.getitem, (call, idx))
-        item.meta["val"] = _meta_tensor(node.metas[idx])
+        item.meta["val"] = _meta_tensor(node.metas[idx], float32_as)
         env[(id(node), idx)] = item
         return item
 
     for pos, node in enumerate(graph.nodes):
         args, kwargs = fill(node.spec, [lookup(v) for v in node.inputs])
+        if stored:
+            args, kwargs = _stored(tuple(args), float32_as), {k: _stored(v, float32_as) for k, v in kwargs.items()}
         call = g.call_function(node.op, tuple(args), dict(kwargs))
-        vals = [_meta_tensor(m) for m in node.metas]
+        vals = [_meta_tensor(m, float32_as) for m in node.metas]
         call.meta["val"] = vals[0] if not node.multi else tuple(vals)
         call.meta["ratex_node"] = node
         call.meta[SITE] = pos
+        if stored and node.op is _VIEW_DTYPE:
+            _check_view_dtype(call, node)
         produced[id(node)] = call
         if not node.multi:
             env[(id(node), 0)] = call

@@ -94,7 +94,7 @@ class LazyTensor(torch.Tensor):
         return launch.read(node.results[idx])
 
     def _to_cpu(self) -> torch.Tensor:
-        return backend().download(self._device_data())
+        return backend().download(self._device_data(), self.dtype)
 
     def _write(self, value):
         """Make `value` this tensor's new value, updating the base through the view chain."""
@@ -166,7 +166,7 @@ class LazyTensor(torch.Tensor):
         # torch.load opens the file where ratex is not imported and under weights_only, onto the
         # CPU unless map_location names the lazy device (tracing/saved.py). The device data is
         # shared, not copied, so aliases of one value save one storage.
-        cpu = backend().view_cpu(self._device_data()).detach()
+        cpu = backend().view_cpu(self._device_data(), self.dtype).detach()
         if isinstance(self, torch.nn.Parameter):
             return (torch._utils._rebuild_parameter, (cpu, self.requires_grad, collections.OrderedDict()))
         return cpu.requires_grad_(self.requires_grad).__reduce_ex__(protocol)

@@ -115,20 +115,29 @@ def native_dropout_backward(imp, node):
 # ---- softmax ----------------------------------------------------------------------------------
 @rule("_log_softmax_backward_data.default")
 def log_softmax_backward(imp, node):
-    g, y = env(imp, node.args[0]), env(imp, node.args[1])
+    g, y = _softmax_acc(imp, node)
     dim = arg(node, 2, "dim")
     _, out_dt = out_meta(node)
     s = op.sum(g, axis=[dim] if shape(g) else None, keepdims=True)
-    return cast(imp, emit(imp, op.subtract(g, op.multiply(op.exp(y), s))), out_dt)
+    return to_dtype(imp, emit(imp, op.subtract(g, op.multiply(op.exp(y), s))), out_dt)
 
 
 @rule("_softmax_backward_data.default")
 def softmax_backward(imp, node):
-    g, y = env(imp, node.args[0]), env(imp, node.args[1])
+    g, y = _softmax_acc(imp, node)
     dim = arg(node, 2, "dim")
     _, out_dt = out_meta(node)
     s = op.sum(op.multiply(g, y), axis=[dim] if shape(g) else None, keepdims=True)
-    return cast(imp, emit(imp, op.multiply(y, op.subtract(g, s))), out_dt)
+    return to_dtype(imp, emit(imp, op.multiply(y, op.subtract(g, s))), out_dt)
+
+
+def _softmax_acc(imp, node):
+    """The gradient and output of a softmax backward, float16/bfloat16 ones in float32: PyTorch's
+    CPU kernel sums in float32 and rounds the gradient once (a bfloat16 sum over a vocabulary
+    loses the small terms)."""
+    g, y = env(imp, node.args[0]), env(imp, node.args[1])
+    acc = "float32" if dtype(g) in ("float16", "bfloat16") else dtype(g)
+    return cast(imp, g, acc), cast(imp, y, acc)
 
 
 # ---- losses -----------------------------------------------------------------------------------

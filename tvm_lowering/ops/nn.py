@@ -28,17 +28,21 @@ def nll_loss(imp, x, target, weight, reduction, ignore_index, total_shape):
     """(loss, total_weight) of nll_loss on x (N, C) or (C,), the classes on its last dim.
 
     Unreduced (reduction 0), total_weight is zeros of `total_shape`, as PyTorch leaves it.
+    float16/bfloat16 sum in float32, each result rounded once, as PyTorch's CPU kernel does: a
+    bfloat16 running sum stops growing at 256 ones, or once a term is under half its step.
     """
     dt = dtype(x)
+    acc = "float32" if dt in ("float16", "bfloat16") else dt
     onehot, w_t = nll_pick(imp, (x, target, weight, ignore_index))
-    picked = emit(imp, relax.op.sum(relax.op.multiply(x, onehot), axis=[-1]))
-    losses = emit(imp, relax.op.negative(relax.op.multiply(picked, w_t)))
-    total = emit(imp, relax.op.sum(w_t))
+    picked = emit(imp, relax.op.sum(relax.op.multiply(x, onehot), axis=[-1]))  # one term: exact in dt
+    w_t = cast(imp, w_t, acc)
+    losses = emit(imp, relax.op.negative(relax.op.multiply(cast(imp, picked, acc), w_t)))
     if reduction == 0:
-        return losses, zeros(imp, total_shape, dt)
+        return to_dtype(imp, losses, dt), zeros(imp, total_shape, dt)
+    total = emit(imp, relax.op.sum(w_t))
     if reduction == 2:
-        return emit(imp, relax.op.sum(losses)), total
-    return emit(imp, relax.op.divide(relax.op.sum(losses), total)), total
+        return to_dtype(imp, emit(imp, relax.op.sum(losses)), dt), to_dtype(imp, total, dt)
+    return to_dtype(imp, emit(imp, relax.op.divide(relax.op.sum(losses), total)), dt), to_dtype(imp, total, dt)
 
 
 @rule("nll_loss_forward.default")
@@ -72,13 +76,15 @@ def mse_loss(imp, node):
     x = env(imp, node.args[0])
     t = env(imp, node.args[1])
     reduction = arg(node, 2, "reduction", 1)
-    d = emit(imp, relax.op.subtract(x, t))
+    dt = dtype(x)
+    acc = "float32" if dt in ("float16", "bfloat16") else dt  # rounded once, summed in float32 (nll_loss)
+    d = emit(imp, relax.op.subtract(cast(imp, x, acc), cast(imp, t, acc)))
     sq = emit(imp, relax.op.multiply(d, d))
     if reduction == 0:
-        return sq
+        return to_dtype(imp, sq, dt)
     if reduction == 2:
-        return emit(imp, relax.op.sum(sq))
-    return emit(imp, relax.op.mean(sq))
+        return to_dtype(imp, emit(imp, relax.op.sum(sq)), dt)
+    return to_dtype(imp, emit(imp, relax.op.mean(sq)), dt)
 
 
 def _multilabel_terms(imp, x, target):

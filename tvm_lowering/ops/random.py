@@ -52,7 +52,8 @@ def dropout_keep(imp, node):
         mask = tirx.const(_UNIT24 - 1, "int64")
         scale = tirx.const(1.0 / _UNIT24, "float32")
         return te.compute(
-            out_shape, lambda *i: tirx.Not((bits(*i) & mask).astype("float32") * scale < p[()]), name="dropout_keep"
+            out_shape, lambda *i: tirx.Not((bits(*i) & mask).astype("float32") * scale < p[()].astype("float32")),
+            name="dropout_keep",
         )
 
     return emit_te(imp, keep, seed, p)

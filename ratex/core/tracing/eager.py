@@ -90,7 +90,7 @@ def run(func, args, kwargs):
 def run_node(node):
     """Compute the op node `node` on CPU PyTorch from its computed inputs; keep the results on it."""
     be = backend()
-    cpu_inputs = [be.view_cpu(resolve(n.results[i])) for n, i in node.inputs]
+    cpu_inputs = [be.view_cpu(resolve(n.results[i]), n.metas[i].dtype) for n, i in node.inputs]
     args, kwargs = fill(node.spec, cpu_inputs)
     out = _call(node.op, args, kwargs)
     outs = list(out) if node.multi else [out]
