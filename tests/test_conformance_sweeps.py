@@ -26,7 +26,9 @@ MODULES = [
     ("nn.Embedding", "train"), ("nn.GELU", "train"), ("nn.Softmax", "train"), ("nn.LogSoftmax", "train"),
     ("nn.Hardshrink", "train"), ("nn.Softshrink", "train"), ("nn.CELU", "train"), ("nn.MultiheadAttention", "train"),
     ("nn.LazyConv1d", "train"), ("nn.BCELoss", "train"), ("nn.HuberLoss", "train"), ("nn.Bilinear", "train"),
-    ("nn.FractionalMaxPool2d", "train"),
+    ("nn.FractionalMaxPool2d", "train"), ("nn.ConvTranspose2d", "train"), ("nn.Conv3d", "train"),
+    ("nn.MaxPool3d", "train"), ("nn.ReplicationPad2d", "train"), ("nn.MultiMarginLoss", "train"),
+    ("nn.CTCLoss", "train"),
 ]
 OPTIMS = [
     ("Adam/default", "foreach"), ("AdamW/amsgrad", "forloop"), ("SGD/nesterov", "foreach"),
