@@ -116,16 +116,19 @@ def _index_scatter(imp, node, reduce, include_self=True, alpha=1):
 
 @rule("index_reduce.default")
 def index_reduce(imp, node):
+    """x.index_reduce_(dim, index, source, reduce), functional."""
     return _index_scatter(imp, node, arg(node, 4, "reduce"), arg(node, 5, "include_self", True))
 
 
 @rule("index_add.default")
 def index_add(imp, node):
+    """x.index_add(dim, index, source, alpha=alpha)."""
     return _index_scatter(imp, node, "sum", alpha=arg(node, 4, "alpha", 1))
 
 
 @rule("index_copy.default")
 def index_copy(imp, node):
+    """x.index_copy(dim, index, source)."""
     return _index_scatter(imp, node, "update")
 
 
