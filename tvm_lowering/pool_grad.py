@@ -79,7 +79,8 @@ def _gather(dy, x, kh, kw):
         best, place = x(b, ch, i * kh, j * kw), tirx.const(0, "int32")
         for q in range(1, kh * kw):
             val = x(b, ch, i * kh + q // kw, j * kw + q % kw)
-            take = tirx.any(val > best, tirx.isnan(val))
+            # TVM's isnan takes no bfloat16; widening to float32 keeps NaN.
+            take = tirx.any(val > best, tirx.isnan(tirx.Cast("float32", val) if str(val.ty.dtype) == "bfloat16" else val))
             best, place = tirx.Select(take, val, best), tirx.Select(take, tirx.const(q, "int32"), place)
         return place
 

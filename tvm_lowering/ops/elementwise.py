@@ -24,7 +24,7 @@ import torch
 from tvm import relax, te, tirx
 
 from ..dtypes import to_tvm
-from .kit import (arg, cast, dtype, emit, emit_te, env, filled, float_compute, horner, is_float, out_meta, pointwise,
+from .kit import (arg, cast, dtype, emit, emit_te, env, filled, float_compute, horner, is_float, isnan, out_meta, pointwise,
                   round_bf16, shape, to_dtype)
 from .registry import rule
 
@@ -173,6 +173,19 @@ def clamp_tensor(imp, node):
     if hi is not None:
         out = emit(imp, relax.op.minimum(out, cast(imp, env(imp, hi), dt)))
     return out
+
+
+@rule("isnan.default", "isinf.default", "isfinite.default")
+def float_class(imp, node):
+    """TVM's rules, with a bfloat16 input widened to float32 first (exact; TVM's isnan, isinf
+    and isfinite take no bfloat16)."""
+    x = env(imp, node.args[0])
+    if dtype(x) == "bfloat16":
+        x = cast(imp, x, "float32")
+    if not is_float(dtype(x)):  # an integer is never NaN or infinite
+        return filled(imp, node, node.target.__name__.startswith("isfinite"))
+    fn = {"isnan": relax.op.isnan, "isinf": relax.op.isinf, "isfinite": relax.op.isfinite}
+    return emit(imp, fn[node.target.__name__.split(".")[0]](x))
 
 
 # ---- casts ------------------------------------------------------------------------------------
@@ -415,7 +428,7 @@ def _nan_ignoring(pick):
     def fn(a, b):
         if not is_float(dtype(a)):
             return pick(a, b)
-        return tirx.Select(tirx.isnan(a), b, tirx.Select(tirx.isnan(b), a, pick(a, b)))
+        return tirx.Select(isnan(a), b, tirx.Select(isnan(b), a, pick(a, b)))
     return fn
 
 
@@ -435,7 +448,7 @@ def _hypot(a, b):
     r = small / big
     out = big * tirx.sqrt(tirx.const(1, dt) + r * r)
     out = tirx.Select(big == tirx.const(0, dt), tirx.const(0, dt), out)
-    out = tirx.Select(tirx.isnan(a) | tirx.isnan(b), tirx.const(math.nan, dt), out)
+    out = tirx.Select(isnan(a) | isnan(b), tirx.const(math.nan, dt), out)
     return tirx.Select(tirx.isinf(a) | tirx.isinf(b), tirx.const(math.inf, dt), out)
 
 
@@ -454,7 +467,7 @@ def _nextafter(x, y):
     tiniest = tirx.reinterpret(dt, tirx.const(1, bits))  # from zero: the smallest subnormal, signed like y
     out = tirx.Select(x == tirx.const(0, dt), tirx.Select(y > tirx.const(0, dt), tiniest, -tiniest), step)
     out = tirx.Select(x == y, y, out)
-    return tirx.Select(tirx.isnan(x) | tirx.isnan(y), x + y, out)
+    return tirx.Select(isnan(x) | isnan(y), x + y, out)
 
 
 @rule("nextafter.default")

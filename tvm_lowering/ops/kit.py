@@ -63,6 +63,12 @@ def out_meta(node, i=None):
     return [int(s) for s in val.shape], to_tvm(val.dtype)
 
 
+def isnan(v):
+    """tirx.isnan of a TIR value of any float dtype (TVM's own takes no bfloat16: a bfloat16
+    widens to float32 exactly, NaN staying NaN)."""
+    return tirx.isnan(tirx.Cast("float32", v) if dtype(v) == "bfloat16" else v)
+
+
 def scalar(v, dt):
     """Return the Relax constant `v` of dtype `dt`."""
     return relax.const(v, dt)
@@ -257,7 +263,7 @@ def _reducer(reduce, dt):
     largest = reduce == "amax"
     if is_float(dt):
         identity = tirx.const(-np.inf if largest else np.inf, dt)
-        return (lambda a, b: tirx.Select(tirx.any(tirx.isnan(b), b > a if largest else b < a), b, a)), identity
+        return (lambda a, b: tirx.Select(tirx.any(isnan(b), b > a if largest else b < a), b, a)), identity
     if largest:
         return tirx.max, tirx.min_value(dt)
     return tirx.min, tirx.max_value(dt)

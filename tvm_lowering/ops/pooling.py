@@ -7,7 +7,7 @@ import math
 import numpy as np
 from tvm import relax, te, tirx
 
-from .kit import arg, emit, emit_te, env, is_float, out_meta, pair, pool_window
+from .kit import arg, cast, emit, emit_te, env, is_float, isnan, out_meta, pair, pool_window
 from .registry import rule
 
 
@@ -29,7 +29,7 @@ def torch_argmax(dt):
         i0, v0 = a
         i1, v1 = b
         if floating:
-            n0, n1 = tirx.isnan(v0), tirx.isnan(v1)
+            n0, n1 = isnan(v0), isnan(v1)
             take = tirx.any(
                 tirx.all(n1, tirx.any(tirx.Not(n0), i1 > i0)),
                 tirx.all(tirx.Not(n0), tirx.Not(n1), tirx.any(v1 > v0, tirx.all(v1 == v0, i1 < i0))),
@@ -74,10 +74,16 @@ def max_pool_with_indices(imp, node):
     kernel, stride, padding = pool_window(node, n=n)
     dilation = pair(arg(node, 4, "dilation", 1), n)
     out_shape, _ = out_meta(node, 0)
-    out = emit_te(imp, _maxpool_te, x, kernel, stride, padding, dilation, out_shape[-n:])
-    vals = emit(imp, relax.TupleGetItem(out, 0))
-    inds = emit(imp, relax.TupleGetItem(out, 1))
-    return emit(imp, relax.Tuple([vals, inds]))
+    return _argmax_pool(imp, _maxpool_te, x, kernel, stride, padding, dilation, out_shape[-n:])
+
+
+def _argmax_pool(imp, te_fn, x, *args):
+    """(values, indices) of a pool reduced by torch_argmax; a bfloat16 input is pooled in float32
+    (exact both ways), as TVM's bfloat16 legalization mistypes the reducer's bindings."""
+    dt = str(x.ty.dtype)
+    out = emit_te(imp, te_fn, cast(imp, x, "float32") if dt == "bfloat16" else x, *args)
+    vals = cast(imp, emit(imp, relax.TupleGetItem(out, 0)), dt)
+    return emit(imp, relax.Tuple([vals, emit(imp, relax.TupleGetItem(out, 1))]))
 
 
 # ---- avg_pool2d / avg_pool3d ------------------------------------------------------------------
@@ -233,8 +239,7 @@ def adaptive_max_pool(imp, node):
     x = env(imp, node.args[0])
     out_shape, _ = out_meta(node, 0)
     nd = len(arg(node, 1, "output_size"))
-    out = emit_te(imp, _adaptive_pool_te, x, out_shape[-nd:], "max")
-    return emit(imp, relax.Tuple([emit(imp, relax.TupleGetItem(out, i)) for i in (0, 1)]))
+    return _argmax_pool(imp, _adaptive_pool_te, x, out_shape[-nd:], "max")
 
 
 # ---- fractional_max_pool2d / fractional_max_pool3d --------------------------------------------

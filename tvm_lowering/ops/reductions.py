@@ -13,7 +13,8 @@ from tvm import relax, te, tirx
 from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as T
 
-from .kit import arg, cast, dtype, emit, emit_host_kernel, env, filled, is_float, norm_dims, out_meta, shape, to_dtype
+from .kit import (arg, cast, dtype, emit, emit_host_kernel, env, filled, is_float, isnan, norm_dims, out_meta, shape,
+                  to_dtype)
 from .registry import rule
 
 
@@ -171,6 +172,8 @@ def first_extreme_index(imp, x, axis, keepdims, largest):
     one, as in PyTorch (comparisons never pick a NaN, so TVM's argmax returned another index),
     else the first of equal extremes."""
     fn = relax.op.argmax if largest else relax.op.argmin
+    if dtype(x) == "bfloat16":  # TVM's isnan takes no bfloat16; widening is exact
+        x = cast(imp, x, "float32")
     idx = cast(imp, emit(imp, fn(x, axis=axis, keepdims=keepdims)), "int64")
     if not is_float(dtype(x)):
         return idx
@@ -317,7 +320,7 @@ def cumulative_extreme(imp, node):
         best, where = prev
         take = v >= best if largest else v <= best
         if is_float(dt):
-            take = tirx.any(tirx.isnan(v), take)
+            take = tirx.any(isnan(v), take)
         return tirx.Select(take, v, best), tirx.Select(take, k, where)
 
     name = "cummax" if largest else "cummin"
