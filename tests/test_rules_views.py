@@ -50,3 +50,18 @@ def test_as_strided_overlapping_and_offset():
     x = torch.randn(10)
     check(lambda t: (torch.as_strided(t, (3, 3), (1, 2), 1), torch.as_strided_scatter(t, torch.ones(2, 2, device=t.device), (2, 2), (3, 1), 2)),
           x, ops=["as_strided.default", "as_strided_scatter.default"])
+
+
+def test_slice_scatters_summed_and_reshaped_match_cpu(dev):
+    """A rotary embedding's gradient: two slice_scatters of a broadcast product, summed and
+    reshaped. Fused into one kernel, LLVM's AVX-512 if-conversion read the wrong elements
+    (garbage gradients for a Llama's q and k projections)."""
+    g = torch.Generator().manual_seed(0)
+    x, s = torch.randn(2, 8, 2, 8, generator=g), torch.randn(2, 8, 1, 8, generator=g)
+
+    def fn(x, s):
+        p = x * s
+        z = torch.zeros(2, 8, 2, 8, device=x.device)
+        return (torch.slice_scatter(z, p[..., 4:], 3, 0, 4) + torch.slice_scatter(z, p[..., :4], 3, 4)).view(2, 8, 16)
+
+    torch.testing.assert_close(fn(x.to(dev), s.to(dev)).cpu(), fn(x, s))

@@ -58,6 +58,24 @@ def _register(name):
     return deco
 
 
+# Ops whose output is piecewise constant in their inputs, or not a float at all: zero gradient
+# everywhere it exists, as PyTorch defines it (floor, round, sign...). Relax's Gradient still asks
+# for a rule when such an op's output feeds a differentiated value (a Llama's rotary positions:
+# arange -> cos/sin -> multiplied into q and k).
+_CONSTANT_GRADIENT = ("relax.arange", "relax.argmax", "relax.argmin", "relax.logical_and", "relax.logical_or",
+                      "relax.logical_not", "relax.isnan", "relax.isinf", "relax.isfinite", "relax.floor",
+                      "relax.ceil", "relax.round", "relax.sign", "relax.trunc", "relax.floor_divide",
+                      "relax.one_hot", "relax.hamming_window")
+
+
+def _zero_gradient(orig_var, orig_call, output_grad, bb):
+    return [op.grad.no_grad(arg) for arg in orig_call.args]
+
+
+for _name in _CONSTANT_GRADIENT:
+    _register(_name)(_zero_gradient)
+
+
 @_register("relax.flatten")
 def _flatten_grad(orig_var, orig_call, output_grad, bb):
     return [op.reshape(output_grad, orig_call.args[0].ty.shape)]

@@ -109,9 +109,15 @@ def _cpu(arch: Optional[str]) -> Target:
     # torch's own vectorized kernels have; contraction allows FMAs. No nnan/ninf: NaN and
     # inf must propagate as PyTorch's do.
     fast_math = {"fast-math-reassoc": True, "fast-math-contract": True}
+    # LLVM's loop vectorizer, if-converting a loop whose loads are conditional (a concat, a
+    # slice_scatter: TIR's if_then_else and Select) into AVX-512 masked loads, took an index
+    # (i & 7) + 4 for consecutive across the 8-boundary: a slice_scatter fused with a reshape
+    # read the wrong elements on AVX-512 CPUs (a Llama's rotary gradients were garbage) and
+    # right on AVX2 ones. Such loops stay scalar; ratex's schedules vectorize the rest itself.
+    no_if_conversion = {"cl-opt": ["-enable-if-conversion=false"]}
     return Target(
         name="CPU",
-        tvm=tvm.target.Target({"kind": "llvm", "mcpu": arch or _host_cpu(), **fast_math}),
+        tvm=tvm.target.Target({"kind": "llvm", "mcpu": arch or _host_cpu(), **fast_math, **no_if_conversion}),
         runtime_device=tvm.cpu,
         pipeline="tvm.relax.backend.cpu_generic.pipeline",
         # relu that keeps NaN, exp that vectorizes, max-pool gradients as a gather (fastmath.py, pool_grad.py)

@@ -69,6 +69,18 @@ def isnan(v):
     return tirx.isnan(tirx.Cast("float32", v) if dtype(v) == "bfloat16" else v)
 
 
+def guarded(cond, value, other):
+    """`value` where `cond` holds, else `other`, for a `value` that reads memory at an index
+    valid only where `cond` holds.
+
+    tirx.Select evaluates both sides, and TVM's simplifier rewrites each side assuming the
+    condition that selects it, so it drops a clamp that kept such a read in bounds. The read
+    left out of bounds is undefined behaviour to LLVM, which may then assume the condition
+    false (it did: a slice_scatter fused with a reshape returned garbage under -mcpu=znver5).
+    if_then_else evaluates only the side taken, as TVM's own concatenate does."""
+    return tirx.if_then_else(cond, value, other)
+
+
 def scalar(v, dt):
     """Return the Relax constant `v` of dtype `dt`."""
     return relax.const(v, dt)

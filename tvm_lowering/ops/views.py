@@ -7,7 +7,7 @@ the base (what an in-place write through a view records).
 import numpy as np
 from tvm import relax, te, tirx
 
-from .kit import arg, dtype, emit, emit_te, env, out_meta, shape
+from .kit import arg, dtype, emit, emit_te, env, guarded, out_meta, shape
 from .registry import rule
 
 
@@ -108,8 +108,8 @@ def _slice_scatter_te(x, src, start, step, dim):
         k = tirx.floordiv(offset, step)
         hit = tirx.all(offset >= 0, tirx.floormod(offset, step) == 0, k < count)
         src_idx = list(idx)
-        src_idx[dim] = tirx.max(tirx.min(k, count - 1), 0)  # clamped: the read stays in bounds
-        return tirx.Select(hit, src[tuple(src_idx)], x[idx])
+        src_idx[dim] = tirx.max(tirx.min(k, count - 1), 0)
+        return guarded(hit, src[tuple(src_idx)], x[idx])
 
     return te.compute(x.shape, body, name="slice_scatter")
 
@@ -123,10 +123,8 @@ def _diag_scatter_te(x, src, offset, d1, d2):
         k = i1 if offset >= 0 else i2
         on = i2 - i1 == offset
         src_idx = [idx[i] for i in rest] + [k]
-        # Clamp the diagonal index so the (guarded) read stays in bounds.
-        kmax = src.shape[-1] - 1
-        src_idx[-1] = tirx.max(tirx.min(k, kmax), 0)
-        return tirx.Select(on, src[tuple(src_idx)], x[idx])
+        src_idx[-1] = tirx.max(tirx.min(k, src.shape[-1] - 1), 0)
+        return guarded(on, src[tuple(src_idx)], x[idx])
 
     return te.compute(x.shape, body, name="diagonal_scatter")
 
