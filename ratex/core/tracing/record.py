@@ -45,7 +45,7 @@ def functional(func, args, kwargs):
 def new_node(func, spec, values, out, counter):
     """Record a node of a lowered op (its counter `ratex::<op>`); None where its rule failed
     on this very node before."""
-    node = Node(func, spec, tuple(values), out.metas, multi=out.kind != "tensor")
+    node = Node(func, spec, tuple(values), out.metas, multi=out.kind != "tensor", key=out.key)
     if unlowerable and is_unlowerable(node):
         return None
     metrics.counts[counter] += 1
