@@ -41,7 +41,7 @@ def infer(op, spec, in_metas: tuple) -> Out:
             # step: graph keys made of them compare by identity (graph.replay, the compile cache).
             hit.key = (op_key(op), spec, hit.metas)
         _memo[key] = hit
-    if isinstance(hit, BaseException):
+    if type(hit) is not Out:
         # A copy: raising the memoized exception itself would leave on it the traceback of the
         # latest raise, whose frames hold that call's lazy tensors alive (and pending) for good.
         raise copy.copy(hit)
