@@ -1,10 +1,12 @@
 """Where a training step's time goes on the tracing thread, phase by phase, against eager.
 
-    python scripts/step_phases.py lenet-b1 [--modes eager,script,lazy] [--steps 400]
+    python scripts/step_phases.py lenet-b1 [--modes eager,script,lazy,compile] [--steps 400]
 
 Each mode trains one bench model (scripts/bench_models.py) in a fresh process, one torch/TVM
-thread, with ENABLE_PARAM_ALIASING=true and no disk cache, as scripts/bench.py does. Printed
-per mode, after warm-up steps:
+thread, with ENABLE_PARAM_ALIASING=true and no disk cache, as scripts/bench.py does. The
+`compile` mode is torch.compile(train_step, backend="ratex") on CPU tensors: its step is one
+call, shown under `fwd` (dynamo's frames, AOTAutograd's wrappers, eager zero_grad and optimizer
+Python, ratex's programs and the calls around them). Printed per mode, after warm-up steps:
 - the tracing thread's CPU time per step in each phase (µs): moving the batch to the device,
   zero_grad, forward, loss, backward, the optimizer step, mark_step;
 - wall time per step (ms), which exceeds the CPU total where the thread waits;
@@ -14,17 +16,21 @@ per mode, after warm-up steps:
   (it polls for a while after each run) and once per wait for the GIL, so a runner that waits
   for the GIL shows up here.
 
+A last table splits the compile mode's wall time per step (median over steps) into the
+programs' own runs (metric ExecuteTime) and the host time around them, against eager's step.
+
 bench.py says how fast; this says where the time goes when ratex is the slower one.
 """
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
 
 PHASES = ("to", "zero", "fwd", "loss", "bwd", "opt", "mark")
-MODES = ("eager", "script", "lazy")
+MODES = ("eager", "script", "lazy", "compile")
 
 
 def _switches():
@@ -65,9 +71,15 @@ def measure(model_name: str, mode: str, steps: int, warmup: int) -> dict:
     torch.manual_seed(0)
     batches = spec.batches(1)
     model = spec.build()
-    if mode == "eager":
+    executed = None
+    if mode in ("eager", "compile"):
         dev = torch.device("cpu")
         mark = wait = lambda: None  # noqa: E731
+        if mode == "compile":
+            import ratex  # noqa: F401  (registers the backend)
+            from ratex.lazy_tensor_core.debug import metrics
+
+            executed = lambda: (metrics.metric_data("ExecuteTime") or (0, 0.0))[1]  # noqa: E731
     else:
         import ratex
         import ratex.lazy_tensor_core.core.lazy_model as lm
@@ -79,29 +91,47 @@ def measure(model_name: str, mode: str, steps: int, warmup: int) -> dict:
     model.to(dev)
     model.train()
     opt = spec.optimizer(model.parameters())
+    if mode == "compile":
+        def train_step(x, y):
+            opt.zero_grad()
+            loss = spec.loss(model(x), y)
+            loss.backward()
+            opt.step()
+            return loss
+
+        compiled = torch.compile(train_step, backend="ratex")
     clock = time.thread_time
     totals = dict.fromkeys(PHASES, 0.0)
+    walls, programs = [], []
     for i in range(warmup + steps):
         if i == warmup:
             wait()
             totals = dict.fromkeys(PHASES, 0.0)
             before, start = _switches(), time.perf_counter()
         x, y = batches[i % POOL]
+        w0, e0 = time.perf_counter(), executed() if executed else 0.0
         t0 = clock()
         x, y = x.to(dev), y.to(dev)
         t1 = clock()
-        opt.zero_grad()
-        t2 = clock()
-        out = model(x)
-        t3 = clock()
-        loss = spec.loss(out, y)
-        t4 = clock()
-        loss.backward()
-        t5 = clock()
-        opt.step()
-        t6 = clock()
+        if mode == "compile":
+            compiled(x, y)
+            t2, t3 = t1, clock()  # the whole call under fwd
+            t4 = t5 = t6 = t3
+        else:
+            opt.zero_grad()
+            t2 = clock()
+            out = model(x)
+            t3 = clock()
+            loss = spec.loss(out, y)
+            t4 = clock()
+            loss.backward()
+            t5 = clock()
+            opt.step()
+            t6 = clock()
         mark()
         t7 = clock()
+        walls.append(time.perf_counter() - w0)
+        programs.append(executed() - e0 if executed else 0.0)
         for name, a, b in zip(PHASES, (t0, t1, t2, t3, t4, t5, t6), (t1, t2, t3, t4, t5, t6, t7)):
             totals[name] += b - a
     wait()
@@ -109,8 +139,11 @@ def measure(model_name: str, mode: str, steps: int, warmup: int) -> dict:
     after = _switches()
     switches = {f"{after[t][0]}:{t}": (after[t][1] - before[t][1]) / steps
                 for t in after if t in before and after[t][1] > before[t][1]}
+    walls, programs = walls[warmup:], programs[warmup:]
     return {"us": {k: v / steps * 1e6 for k, v in totals.items()}, "wall_ms": wall / steps * 1e3,
-            "switches": switches}
+            "switches": switches, "step_us": statistics.median(walls) * 1e6,
+            "programs_us": statistics.median(programs) * 1e6,
+            "host_us": statistics.median([w - p for w, p in zip(walls, programs)]) * 1e6}
 
 
 def main(argv=None):
@@ -140,6 +173,7 @@ def main(argv=None):
     print(f"{args.model}: tracing-thread CPU µs per step by phase, {args.steps} steps after {args.warmup}")
     print(header)
     print("-" * len(header))
+    steps = {}
     for mode in modes:
         cmd = [sys.executable, os.path.abspath(__file__), args.model, "--child", mode,
                "--steps", str(args.steps), "--warmup", str(args.warmup)]
@@ -152,6 +186,12 @@ def main(argv=None):
         switches = ", ".join(f"{name.split(':')[0]} {n:.1f}" for name, n in sorted(r["switches"].items())) or "-"
         print(f"{mode:>6}  " + "  ".join(f"{us[p]:6.0f}" for p in PHASES)
               + f"  {sum(us.values()):6.0f}  {r['wall_ms']:7.3f}  {switches}")
+        steps[mode] = r
+    if "compile" in steps:
+        r, eager = steps["compile"], steps.get("eager")
+        share = f" = {r['host_us'] / eager['step_us']:.0%} of eager's step ({eager['step_us']:.0f} µs)" if eager else ""
+        print(f"\ncompile: median step {r['step_us']:.0f} µs = programs {r['programs_us']:.0f} (ExecuteTime) "
+              f"+ host {r['host_us']:.0f}{share}")
 
 
 if __name__ == "__main__":

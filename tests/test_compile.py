@@ -279,6 +279,71 @@ def test_param_aliasing_writes_parameters_and_state_in_place(monkeypatch, make_o
         torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
 
 
+def test_python_call_path_trains_like_the_native_one(monkeypatch):
+    """Without the native library's call (`ratex.host.region`), regions run through Python: the
+    same results, parameters and optimizer state written in place all the same."""
+    monkeypatch.setattr(config, "PARAM_ALIASING", True)
+    monkeypatch.setattr(program, "_native_region", lambda: None)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    batches = [(torch.randn(6, 8), torch.randint(0, 4, (6,))) for _ in range(4)]
+    _assert_trains_like_eager(model, OPTIMIZERS["sgd-momentum-foreach"], batches)
+
+
+def _regions():
+    """The compiled regions alive in this process."""
+    import gc  # noqa: PLC0415
+
+    return [r for r in gc.get_objects() if type(r) is program.Region]
+
+
+def test_region_calls_go_through_the_native_library():
+    """After its first call a CPU region is called through csrc/host.cc's `ratex.host.region`."""
+    if program._native_region() is None:
+        pytest.skip("the native library is not built")
+    compiled = torch.compile(lambda x: (x.sin() * 2).sum(0), backend="ratex")
+    x = torch.randn(5, 3)
+    for _ in range(3):
+        torch.testing.assert_close(compiled(x), (x.sin() * 2).sum(0))
+    assert any(r.fast is not None for r in _regions())
+
+
+def test_only_outputs_that_are_nothing_but_a_write_back_may_be_left_out():
+    """The direct driver of a one-region graph: an output written back into an input and also
+    returned (or written back twice) is always handed over; writes and outputs as the fx driver's."""
+    import operator  # noqa: PLC0415
+
+    g = fx.Graph()
+    a, b = g.placeholder("a"), g.placeholder("b")
+    region = program.Region(lambda a, b: [a + b, a * b, a - b], (), (), lambda *_: True, "r", n_outs=3)
+    call = g.call_function(region, (a, b))
+    o0, o1, o2 = (g.call_function(operator.getitem, (call, j)) for j in range(3))
+    g.call_function(partition.write_back, ((a, b), (o0, o1)))
+    g.output([o1, o2, b, None])
+    run = program.direct_call(fx.GraphModule(torch.nn.Module(), g), 0)
+    assert region.in_place == ((0, 0),)
+    x, y = torch.ones(3), torch.full((3,), 2.0)
+    out = run([x, y])
+    torch.testing.assert_close(x, torch.full((3,), 3.0))
+    torch.testing.assert_close(y, torch.full((3,), 2.0))
+    torch.testing.assert_close(out[0], torch.full((3,), 2.0))
+    torch.testing.assert_close(out[1], torch.full((3,), -1.0))
+    assert out[2] is y and out[3] is None
+
+
+def test_a_non_contiguous_input_after_the_first_call_is_made_compact():
+    """A compiled region takes compact inputs: a transposed one, after calls that took contiguous
+    ones of its shape, is copied first (the native call hands it back untouched)."""
+    def fn(x, w):
+        return torch.relu(x @ w) + x.sum()
+
+    compiled = torch.compile(fn, backend="ratex", dynamic=False)
+    w = torch.randn(4, 4)
+    xs = [torch.randn(4, 4) for _ in range(3)] + [torch.randn(4, 4).t() for _ in range(3)]
+    for x in xs:
+        torch.testing.assert_close(compiled(x, w), fn(x, w), rtol=RTOL, atol=ATOL)
+
+
 def test_zero_grad_in_place_does_not_reach_the_momentum_buffer():
     """SGD's first step makes each momentum buffer as clone(grad), which TVM's rule makes an
     identity; zero_grad(set_to_none=False) then zeroes the gradient in place, and must not zero

@@ -32,15 +32,18 @@ def test_bench_runs_a_cell_and_prints_its_table():
 
 def test_step_phases_prints_each_modes_phases():
     out = subprocess.run(
-        [sys.executable, os.path.join(SCRIPTS, "step_phases.py"), "lenet-b1", "--modes", "eager,script",
+        [sys.executable, os.path.join(SCRIPTS, "step_phases.py"), "lenet-b1", "--modes", "eager,script,compile",
          "--steps", "3", "--warmup", "2"],
         capture_output=True, text=True, timeout=600,
     )
     assert out.returncode == 0, out.stderr[-2000:]
-    rows = {line.split()[0]: line.split() for line in out.stdout.splitlines() if line.split()[:1] in (["eager"], ["script"])}
-    assert set(rows) == {"eager", "script"}, out.stdout
+    modes = (["eager"], ["script"], ["compile"])
+    rows = {line.split()[0]: line.split() for line in out.stdout.splitlines() if line.split()[:1] in modes}
+    assert set(rows) == {"eager", "script", "compile"}, out.stdout
     for row in rows.values():  # seven phases, their total, wall ms: none negative, the total above zero
         assert len(row) >= 10 and all(float(v) >= 0 for v in row[1:10]) and float(row[8]) > 0, out.stdout
+    split = [line for line in out.stdout.splitlines() if line.startswith("compile: median step")]
+    assert len(split) == 1 and "programs" in split[0] and "of eager's step" in split[0], out.stdout
     bad = subprocess.run([sys.executable, os.path.join(SCRIPTS, "step_phases.py"), "lenet-b1", "--modes", "jit"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "unknown mode(s) jit" in bad.stderr

@@ -34,7 +34,7 @@ def replay(func, spec, value):
         return value
     meta = value[0].metas[value[1]]
     out = shape.infer(func, spec, ((meta.shape, shape.contiguous_strides(meta.shape), meta.dtype),))
-    return (Node(func, spec, (value,), out.metas), 0)
+    return (Node(func, spec, (value,), out.metas, key=out.key), 0)
 
 
 def scatter_back(func, spec, base, new):
@@ -71,7 +71,7 @@ def _emit(func, inputs, *args, **kwargs):
         meta = node.metas[idx]
         metas.append((meta.shape, shape.contiguous_strides(meta.shape), meta.dtype))
     out = shape.infer(func, spec, tuple(metas))
-    return (Node(func, spec, tuple(inputs), out.metas), 0)
+    return (Node(func, spec, tuple(inputs), out.metas, key=out.key), 0)
 
 
 def _no_tensor(x) -> bool:

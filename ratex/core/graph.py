@@ -76,6 +76,96 @@ def cut(roots: list) -> Graph:
     return Graph(leaves, nodes, list(roots), (leaf_metas, tuple(entries), root_refs), leaf_pos)
 
 
+# ---- replaying a cut ------------------------------------------------------------------
+# A training loop cuts the same graph step after step, out of new nodes: walking them and
+# building the key is most of mark_step's own time, and the compile cache then compares the
+# new key, tuple by tuple, with the last one. A graph's key describes its cut completely
+# (each node's op, arguments and metas; each input as the position of a node or of a leaf;
+# the roots), so the next cut of roots that match a recent key is found by following the key
+# back from the roots, checking every node against it, with no walk, no new key, and the
+# cache's own key object to look up.
+_RECENT = 4  # keys tried, most recently cut or replayed first (a step that reads its loss cuts twice)
+_recent = []
+
+
+def replay(roots: list):
+    """Return the graph of `roots` as `cut` would, if it has the key of a recent cut (see above),
+    else None. `roots` as `cut` takes them: distinct values, none computed."""
+    for k, key in enumerate(_recent):
+        graph = _follow(key, roots)
+        if graph is not None:
+            if k:
+                _recent.insert(0, _recent.pop(k))
+            return graph
+    return None
+
+
+def remember(graph: Graph):
+    """Keep `graph`'s key for `replay`."""
+    _recent.insert(0, graph.key)
+    del _recent[_RECENT:]
+
+
+def forget():
+    """Drop the keys `replay` tries (tests that count cuts start with none)."""
+    _recent.clear()
+
+
+def _follow(key, roots: list):
+    """The graph of `roots` if it is `key`'s graph, or None. Each node is reached from a root or
+    from a user that comes later in the key's order (it lists nodes inputs first), so one pass
+    from the last node back finds them all; every node's key, inputs and computed-ness, every
+    leaf's identity and meta, and the roots are checked, so a match is what `cut` would return."""
+    leaf_metas, entries, root_refs = key
+    if len(roots) != len(root_refs):
+        return None
+    nodes = [None] * len(entries)
+    leaves = [None] * len(leaf_metas)
+    for value, ref in zip(roots, root_refs):
+        node, idx = value
+        if type(ref) is int or ref[1] != idx or node.results[idx] is not None:
+            return None  # cut's roots are never computed: a leaf ref cannot match
+        q = ref[0]
+        seen = nodes[q]
+        if seen is None:
+            nodes[q] = node
+        elif seen is not node:
+            return None
+    for p in range(len(entries) - 1, -1, -1):
+        node = nodes[p]
+        node_key, refs = entries[p]
+        if node is None or node.key != node_key:
+            return None
+        inputs = node.inputs
+        if len(inputs) != len(refs):
+            return None
+        for value, ref in zip(inputs, refs):
+            src, idx = value
+            if type(ref) is int:  # leaf ~ref: computed data
+                if src.results[idx] is None:
+                    return None
+                have = leaves[~ref]
+                if have is None:
+                    leaves[~ref] = value
+                elif have[0] is not src or have[1] != idx:
+                    return None
+            else:
+                if ref[1] != idx or src.results[idx] is not None:
+                    return None
+                seen = nodes[ref[0]]
+                if seen is None:
+                    nodes[ref[0]] = src
+                elif seen is not src:
+                    return None
+    # cut keys nodes by identity and leaves by value: one object in two places is another graph
+    if len(set(map(id, nodes))) != len(nodes) or None in leaves or len(set(leaves)) != len(leaves):
+        return None
+    for (node, idx), meta in zip(leaves, leaf_metas):
+        if node.metas[idx] != meta:
+            return None
+    return Graph(leaves, nodes, list(roots), key, {v: k for k, v in enumerate(leaves)})
+
+
 def _meta_tensor(meta, float32_as=torch.float32):
     if meta is None:
         return None

@@ -55,13 +55,15 @@ class Node:
 
     __slots__ = ("op", "spec", "inputs", "metas", "multi", "key", "results", "origin", "__weakref__")
 
-    def __init__(self, op, spec, inputs, metas, multi=False):
+    def __init__(self, op, spec, inputs, metas, multi=False, key=None):
+        """`key`: the node key, where the caller has it (shape.Out.key: one object per op,
+        arguments and input metas); else it is made here."""
         self.op = op
         self.multi = multi
         self.spec = spec
         self.inputs = inputs
         self.metas = metas
-        self.key = (_op_key(op) if op is not None else None, spec, metas)
+        self.key = key if key is not None else (op_key(op) if op is not None else None, spec, metas)
         self.results = [None] * len(metas)
         self.origin = None  # user frames that recorded this node (kept only with RATEX_SAVE_IR)
 
@@ -98,7 +100,7 @@ class Node:
 _new_object = object.__new__
 
 
-def _op_key(op) -> str:
+def op_key(op) -> str:
     """The op's schema name ('aten::add.Tensor') as it appears in node keys: a string, whose hash
     Python caches (OpOverload.__hash__ is Python code, paid for every node of every graph key)."""
     name = _op_keys.get(id(op))

@@ -240,6 +240,9 @@ def _load_native():
     # The program runner (csrc/runner.cc); a library built before it existed has none.
     if hasattr(lib, "RatexRegisterRunner") and lib.RatexRegisterRunner() != 0:
         raise RuntimeError(f"registering the native program runner of {_NATIVE_PATH} failed")
+    # The host-side fast paths (csrc/host.cc); likewise optional.
+    if hasattr(lib, "RatexRegisterHost") and lib.RatexRegisterHost() != 0:
+        raise RuntimeError(f"registering the native host functions of {_NATIVE_PATH} failed")
     return lib
 
 

@@ -122,12 +122,18 @@ class Job:
             pending.job = None  # copies of the Pending elsewhere let go of the job
         self.restore = None
 
-    def _check_indices(self):
+    def _check_indices(self, host=False):
         """Raise IndexOutOfRange where the program's index checks (its output after the roots')
-        found an index out of range; the outputs are then garbage, read from clamped addresses."""
+        found an index out of range; the outputs are then garbage, read from clamped addresses.
+        `host`: the checks are a host tensor, which the native library reads where it is loaded
+        (numpy's reading costs more than the rest of collecting a run)."""
         sites, self.sites = self.sites, None
         if len(self.outs) > len(self.targets):
-            message = bounds.violation(self.outs.pop(), sites)
+            rows = self.outs.pop()
+            bad_row = _runner()[3] if host else None
+            if bad_row is not None and bad_row(rows) < 0:
+                return
+            message = bounds.violation(rows, sites)
             if message is not None:
                 raise IndexOutOfRange(message)
 
@@ -173,7 +179,7 @@ class Job:
         ticket = self.ticket
         if ticket is None:  # not native, or collected already
             return
-        wait, _, release = _runner()
+        wait, _, release, _ = _runner()
         try:
             got = wait(ticket, _WAIT_SLICE)
             while not got:  # back in Python now and then: a Ctrl-C raises here, leaving the job as it is
@@ -191,7 +197,7 @@ class Job:
                 self.outs = got[2:]
                 if self.donors:
                     reuse_donated(self.donors, self.outs, self.program.donate)
-                self._check_indices()
+                self._check_indices(host=True)
                 for job in self.after:  # it ran on their outputs: garbage where they failed their checks
                     job._collect()
                     if job.error is not None:
@@ -312,10 +318,12 @@ _collecting = threading.Lock()  # one thread at a time hands a native run's outp
 
 
 def _runner():
-    """(wait, done, release) of the native runner (csrc/runner.cc), looked up at first use."""
+    """(wait, done, release) of the native runner (csrc/runner.cc) and the host library's
+    `bad_row` (csrc/host.cc; None in a library built before it), looked up at first use."""
     global _native
     if _native is None:
-        _native = tuple(tvm_ffi.get_global_func(f"ratex.runner.{name}") for name in ("wait", "done", "release"))
+        _native = (*(tvm_ffi.get_global_func(f"ratex.runner.{name}") for name in ("wait", "done", "release")),
+                   tvm_ffi.get_global_func("ratex.host.bad_row", allow_missing=True))
     return _native
 
 

@@ -8,7 +8,7 @@ import functools
 
 import torch
 
-from .ir import Meta, fill
+from .ir import Meta, fill, op_key
 
 _memo = {}
 
@@ -19,13 +19,15 @@ class NoMeta(Exception):
 
 class Out:
     """The inferred outputs of one op: a flat list of (meta, stride, offset) and the structure.
-    `empty`: no output has an element (a None output counts as empty)."""
+    `empty`: no output has an element (a None output counts as empty). `key`: the node key
+    (ir.Node.key) of every node recorded from this result, one object for all of them."""
 
-    __slots__ = ("metas", "strides", "offsets", "kind", "empty")
+    __slots__ = ("metas", "strides", "offsets", "kind", "empty", "key")
 
     def __init__(self, metas, strides, offsets, kind):
         self.metas, self.strides, self.offsets, self.kind = metas, strides, offsets, kind
         self.empty = all(m is None or 0 in m.shape for m in metas)
+        self.key = None
 
 
 def infer(op, spec, in_metas: tuple) -> Out:
@@ -34,8 +36,12 @@ def infer(op, spec, in_metas: tuple) -> Out:
     hit = _memo.get(key)
     if hit is None:
         hit = _run(op, spec, in_metas)
+        if type(hit) is Out:
+            # One key object for every node of this op, arguments and input metas, step after
+            # step: graph keys made of them compare by identity (graph.replay, the compile cache).
+            hit.key = (op_key(op), spec, hit.metas)
         _memo[key] = hit
-    if isinstance(hit, BaseException):
+    if type(hit) is not Out:
         # A copy: raising the memoized exception itself would leave on it the traceback of the
         # latest raise, whose frames hold that call's lazy tensors alive (and pending) for good.
         raise copy.copy(hit)

@@ -11,7 +11,7 @@ from .. import config, process
 from . import explain, launch, metrics, storage, tensor
 from .launch import ExecutionError, Pending, resolve  # noqa: F401  (the sync API)
 from .executor import CACHE, cache_key, compile_graph, load_program
-from .graph import cut
+from .graph import cut, remember, replay
 from .ir import Node, op_name
 from .storage import pending_storages  # noqa: F401  (the sync API)
 from .tracing import eager
@@ -112,7 +112,10 @@ def _execute(values: list, written, aliasing: bool):
         roots = list(dict.fromkeys(v for v in values if v[0].results[v[1]] is None))
         if not roots:
             return
-        graph = cut(roots)
+        graph = replay(roots)
+        if graph is None:
+            graph = cut(roots)
+            remember(graph)
         donate = donations(graph, written) if aliasing and written else ()
         key = cache_key(graph, donate, aliasing)
         program = CACHE.get(key)

@@ -31,17 +31,18 @@ class LazyTensor(torch.Tensor):
 
     @staticmethod
     def __new__(cls, storage, chain, meta, stride=None, offset=0, value=None):
-        contiguous = contiguous_strides(meta.shape)
+        shape, dtype = meta
+        contiguous = contiguous_strides(shape)
         if offset == 0 and (stride is None or stride == contiguous):  # usual: a cheaper wrapper
             stride = contiguous
-            t = _make_wrapper(cls, meta.shape, dtype=meta.dtype, device=LAZY)
+            t = _make_wrapper(cls, shape, dtype=dtype, device=LAZY)
         else:
             stride = tuple(stride)
-            t = _make_wrapper(cls, meta.shape, strides=stride, storage_offset=offset, dtype=meta.dtype, device=LAZY)
+            t = _make_wrapper(cls, shape, strides=stride, storage_offset=offset, dtype=dtype, device=LAZY)
         t._st = storage
         t._chain = chain
         t._cache = (storage.version, value)
-        t._sig = (meta.shape, stride, meta.dtype)  # shape inference's view of this tensor
+        t._sig = (shape, stride, dtype)  # shape inference's view of this tensor
         _counts["CreateLazyTensor"] += 1
         return t
 

@@ -7,6 +7,11 @@ graph (graphs.py), splits it (partition.py), compiles each lowerable region
 through the compile caches, and builds a driver; every later call runs the
 driver: the regions' programs on the caller's tensors, exchanged with TVM by
 DLPack, the eager ops between them, and the write-back of mutated inputs.
+
+A call is host time that eager PyTorch's step does not have, so the usual graph, one
+region and no eager op, skips the fx driver (`direct_call`), and a CPU region's later calls
+go through one call of the native library (csrc/host.cc: arguments checked, index checks
+read, updates found in their inputs' buffers) instead of Python per output.
 """
 import operator
 import time
@@ -47,9 +52,40 @@ class Region:
         self.may_share = may_share  # may_share(a, j): whether output j may share a buffer with a (input i or ("out", k))
         self.copy = None  # output positions to copy at every call (known after the first)
         self.convert = False  # whether the FFI hands back tensors that are not torch's
+        # (input, output) pairs whose output the caller only writes back into that input: an
+        # output the program wrote into the input's own buffer comes back as None (see `run`)
+        self.in_place = ()
+        self.native = False  # whether calls may go through the native library (a CPU program)
+        self.fast = None  # the native library's call of this region, once the first call is done
         self.__name__ = name
 
     def __call__(self, *xs):
+        return self.run(xs)
+
+    def run(self, xs) -> list:
+        """The outputs of a call on the tensors `xs`; None for an output of an `in_place` pair
+        that the program wrote into its input's buffer (only through the native library, whose
+        `ratex.host.region` checks the arguments, reads the index checks and compares the
+        buffers in one call: csrc/host.cc)."""
+        fast = self.fast
+        if fast is not None:
+            start = _perf()
+            got = fast(*xs)[:]
+            end = _perf()
+            status = got[0]
+            if status != 2:  # 2: an argument that is not compact or has no elements: nothing ran
+                _record("ExecuteTime", start, end)
+                if _listeners:
+                    adapter.tell("Sync", start, end)
+                del got[0]
+                if status == 1:
+                    adapter.check_indices(got.pop(), self.nodes)
+                for j in self.copy:
+                    got[j] = got[j].clone()
+                return got
+        return self._call(xs)
+
+    def _call(self, xs) -> list:
         xs = [x if x.is_contiguous() else x.contiguous() for x in xs]
         if self.to_device:
             xs = [x.to(self.device) if k in self.to_device else x for k, x in enumerate(xs)]
@@ -69,11 +105,22 @@ class Region:
             adapter.check_indices(outs.pop(), self.nodes)
         if self.copy is None:
             self.copy = self._find_shared(xs, outs)
+            self._arm()
         for j in self.copy:
             outs[j] = outs[j].clone()
         for j in self.to_host:
             outs[j] = outs[j].cpu()
         return outs
+
+    def _arm(self):
+        """Make later calls go through the native library where it is loaded: a CPU program
+        whose inputs all have elements (`run` falls back to `_call` for one that comes with
+        another layout)."""
+        prepare = _native_region()
+        if prepare is None or not self.native or self.empty or self.to_device or self.to_host or self.convert:
+            return
+        self.fast = prepare(self.fn, -1 if self.n_outs is None else self.n_outs,
+                            [k for pair in self.in_place for k in pair])
 
     def _find_shared(self, xs: list, outs: list) -> tuple:
         """Output positions sharing a buffer with an input or an earlier output where torch's ops
@@ -95,6 +142,13 @@ class Region:
             elif not self.may_share(who, j):
                 shared.add(j)
         return tuple(sorted(shared))
+
+
+def _native_region():
+    """`ratex.host.region` of the native library (csrc/host.cc), or None where it is not loaded."""
+    import tvm  # noqa: PLC0415
+
+    return tvm.get_global_func("ratex.host.region", allow_missing=True)
 
 
 def _empty(x):
@@ -167,6 +221,9 @@ class CompiledGraph:
                 break
             except _Retry:
                 continue
+        direct = direct_call(driver, seeds)
+        if direct is not None:
+            return direct
         forward = driver.forward
         if not seeds:
             return lambda args: forward(*args)
@@ -195,8 +252,10 @@ class CompiledGraph:
             on_host = lambda n: n.meta.get("ratex_seed") or n.meta["val"].device.type == "cpu"  # noqa: E731
             host = (tuple(k for k, a in enumerate(inputs) if on_host(a)),
                     tuple(j for j, o in enumerate(outputs) if _device_of(o) == "cpu"), torch.device("cuda", index))
-        return Region(fn, _empty_inputs(inputs), _constant_outputs(sub), _sharing(inputs, outputs, pairs),
-                      f"ratex_{self.role}", host, len(outputs), nodes)
+        region = Region(fn, _empty_inputs(inputs), _constant_outputs(sub), _sharing(inputs, outputs, pairs),
+                        f"ratex_{self.role}", host, len(outputs), nodes)
+        region.native = kind == "CPU"
+        return region
 
     def _program(self, sub, key, kind, arch, donate, back, ops):
         cache = adapter.memory_cache()
@@ -244,6 +303,85 @@ class CompiledGraph:
         for n in failed or calls:
             partition.refuse(back[n])
             adapter.warn_fallback(back[n].target.__name__, f"compiling failed ({type(err).__name__}: {str(err)[:300]})")
+
+
+def direct_call(driver: fx.GraphModule, seeds: int):
+    """The driver of a graph that is one region (the usual case) as a plain function of the
+    call's argument list, or None for any other graph (which runs as `driver.forward`).
+
+    `driver`'s nodes are then placeholders, one region call on some of them, the items of
+    its result, and at most one write-back; the function calls the region on its arguments
+    picked by position, writes back the mutated inputs and returns the outputs picked by
+    position, with no fx module or per-node Python in between. The region's outputs that are
+    only written back get `Region.in_place`: the native library leaves out those it finds in
+    their input's own buffer (donated), for which the write-back has nothing to do.
+    """
+    graph = driver.graph
+    args = list(graph.find_nodes(op="placeholder"))
+    position = {a: k for k, a in enumerate(args)}
+    calls = [n for n in graph.nodes if n.op == "call_function"]
+    regions = [n for n in calls if isinstance(n.target, Region)]
+    if len(regions) != 1 or any(n.op not in ("placeholder", "call_function", "output") for n in graph.nodes):
+        return None
+    call = regions[0]
+    region = call.target
+    if call.kwargs or any(a not in position for a in call.args):
+        return None
+    item, back = {}, None
+    for n in calls:
+        if n is call:
+            continue
+        if n.target is operator.getitem and n.args[0] is call and type(n.args[1]) is int:
+            item[n] = n.args[1]
+        elif n.target is partition.write_back and back is None:
+            back = n
+        else:
+            return None
+
+    def ref(a):
+        """(0, argument position), (1, region output) or (2, a constant)."""
+        if isinstance(a, fx.Node):
+            return (0, position[a]) if a in position else (1, item[a]) if a in item else None
+        return (2, a)
+
+    outs = [ref(a) for a in graph.output_node().args[0]]
+    writes = []
+    if back is not None:
+        dsts, srcs = back.args
+        writes = [(position.get(d), ref(v)) for d, v in zip(dsts, srcs)]
+        if any(k is None for k, _ in writes):
+            return None
+    if None in outs or any(r is None for _, r in writes):
+        return None
+    read = [ref(a)[1] for a in call.args]
+    returned = {r[1] for r in outs if r[0] == 1}
+    written = [r[1] for _, r in writes if r[0] == 1]
+    region.in_place = tuple((read.index(k), j) for k, (kind, j) in writes
+                            if kind == 1 and k in read and j not in returned and written.count(j) == 1)
+    return _direct(region, tuple(read), tuple(outs), tuple(writes), seeds)
+
+
+def _direct(region, read: tuple, outs: tuple, writes: tuple, seeds: int):
+    run = region.run
+    new_seed = adapter.new_seed
+    write_back = partition.write_back
+
+    def call(args):
+        if seeds:
+            args = [*args, *[new_seed() for _ in range(seeds)]]
+        got = run([args[k] for k in read])
+        if writes:
+            dsts, srcs = [], []
+            for k, (kind, v) in writes:
+                src = args[v] if kind == 0 else got[v] if kind == 1 else v
+                if src is not None:  # None: the program wrote it into the input's own buffer
+                    dsts.append(args[k])
+                    srcs.append(src)
+            if dsts:
+                write_back(dsts, srcs)
+        return [args[v] if kind == 0 else got[v] if kind == 1 else v for kind, v in outs]
+
+    return call
 
 
 def prepare(gm: fx.GraphModule, sizes_of=None) -> tuple:

@@ -57,12 +57,16 @@ def _tmpl(x, found):
 
 def collect(func, args, kwargs):
     """Return (spec, input values, input metas) for a call, checking devices."""
-    if not kwargs and len(args) == 2 and is_value_arg(args[0]) and is_value_arg(args[1]):  # x + y
-        return BINARY_SPEC, [arg_value(args[0]), arg_value(args[1])], (arg_sig(args[0]), arg_sig(args[1]))
-    if not kwargs and len(args) == 3 and is_value_arg(args[0]) and is_value_arg(args[1]) \
-            and is_value_arg(args[2]):  # addcmul(p, buf, lr)
-        return TERNARY_SPEC, [arg_value(a) for a in args], tuple([arg_sig(a) for a in args])
-    if any(k in kwargs for k in _DEVICE_KWARGS):
+    if not kwargs:
+        n = len(args)
+        if n == 1 and type(args[0]) is LazyTensor:  # relu(x)
+            x = args[0]
+            return UNARY_SPEC, [x._st.value if not x._chain else x._value()], (x._sig,)
+        if n == 2 and is_value_arg(args[0]) and is_value_arg(args[1]):  # x + y
+            return BINARY_SPEC, [arg_value(args[0]), arg_value(args[1])], (arg_sig(args[0]), arg_sig(args[1]))
+        if n == 3 and is_value_arg(args[0]) and is_value_arg(args[1]) and is_value_arg(args[2]):  # addcmul(p, buf, lr)
+            return TERNARY_SPEC, [arg_value(a) for a in args], tuple([arg_sig(a) for a in args])
+    elif "device" in kwargs or "pin_memory" in kwargs:
         device = kwargs.get("device")
         if device is not None and torch.device(device).type == "lazy":
             check_device(device)
@@ -74,6 +78,10 @@ def collect(func, args, kwargs):
     )
     values, metas = [], []
     for t in found:
+        if type(t) is LazyTensor:  # the usual case, as below
+            values.append(t._st.value if not t._chain else t._value())
+            metas.append(t._sig)
+            continue
         if isinstance(t, Value):
             values.append(t.value)
             metas.append(arg_sig(t))
@@ -92,6 +100,7 @@ def collect(func, args, kwargs):
     return spec, values, tuple(metas)
 
 
+UNARY_SPEC = ((ir.slot(0),), NO_KWARGS)  # what `collect` makes of f(tensor)
 BINARY_SPEC = ((ir.slot(0), ir.slot(1)), NO_KWARGS)  # what `collect` makes of f(tensor, tensor)
 TERNARY_SPEC = ((ir.slot(0), ir.slot(1), ir.slot(2)), NO_KWARGS)
 

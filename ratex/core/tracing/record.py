@@ -45,10 +45,10 @@ def functional(func, args, kwargs):
 def new_node(func, spec, values, out, counter):
     """Record a node of a lowered op (its counter `ratex::<op>`); None where its rule failed
     on this very node before."""
-    node = Node(func, spec, tuple(values), out.metas, multi=out.kind != "tensor")
+    node = Node(func, spec, tuple(values), out.metas, out.kind != "tensor", out.key)
     if unlowerable and is_unlowerable(node):
         return None
-    metrics.counts[counter] += 1
+    _counts[counter] += 1
     return node
 
 
@@ -74,6 +74,8 @@ def value_op(func, *args):
 
 def wrap(node, out):
     """Return the outputs of `node` as lazy tensors, in the structure `out` describes."""
+    if out.kind == "tensor":
+        return LazyTensor.from_value((node, 0), out.strides[0], out.offsets[0])
     outs = [
         None if m is None else LazyTensor.from_value((node, i), out.strides[i], out.offsets[i])
         for i, m in enumerate(out.metas)
@@ -104,6 +106,7 @@ def lowered_counter(func):
 
 
 _counters, _kept = {}, []  # id(OpOverload) -> counter name or None (by id: see registry._routes)
+_counts = metrics.counts
 
 
 # ---- scalar lifting ---------------------------------------------------------------------

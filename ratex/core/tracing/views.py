@@ -42,7 +42,7 @@ def view(func, args, kwargs):
         if result is not NotImplemented:
             return result
     metrics.counter_inc(_view_counter(func))
-    value = (Node(func, spec, tuple(values), out.metas), 0)
+    value = (Node(func, spec, tuple(values), out.metas, key=out.key), 0)
     return LazyTensor(base._st, base._chain + ((func, spec),), out.metas[0], out.strides[0], out.offsets[0], value)
 
 
