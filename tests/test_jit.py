@@ -738,6 +738,30 @@ def test_scripted_attention_with_masks_and_scale(kind):
     _scripted_grads_match_cpu(_Attention(kind), torch.randn(2, 7, 8), keep)
 
 
+class _GroupedAttention(nn.Module):
+    """Grouped-query attention as Llama calls it: 4 query heads share 2 key/value heads."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.q, self.kv = nn.Linear(8, 16), nn.Linear(8, 16)
+        self.kind = kind
+
+    def forward(self, x, keep):
+        b, t, _ = x.shape
+        q = self.q(x).view(b, t, 4, 4).transpose(1, 2)
+        k, v = self.kv(x).view(b, t, 2, 2, 4).permute(2, 0, 3, 1, 4).unbind(0)
+        kw = {"is_causal": True} if self.kind == "causal" else {"attn_mask": keep[:, None, None, :]}
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kw).transpose(1, 2).reshape(b, t, 16)
+
+
+@pytest.mark.parametrize("kind", ["causal", "bool"])
+def test_scripted_grouped_query_attention(kind):
+    """SDPA's enable_gqa repeats each key/value head for the query heads that share it."""
+    torch.manual_seed(0)
+    keep = torch.tensor([[True] * 5 + [False] * 2, [True] * 7])
+    _scripted_grads_match_cpu(_GroupedAttention(kind), torch.randn(2, 7, 8), keep)
+
+
 class _CastsAndMasks(nn.Module):
     """What BERT's TorchScript graph holds: aten::to with a device then a dtype (to.device), and
     ~mask (relax.bitwise_not, which a scripted backward must step over)."""

@@ -13,6 +13,7 @@ the model's own, then the new values of the buffers the forward writes. Each cal
   unscripted one does, and the random bits stay outside the differentiated function);
 - scaled_dot_product_attention with a mask or dropout becomes matmul, softmax, matmul, the
   way PyTorch's math kernel computes it (a fully masked row gives 0, not NaN);
+  grouped-query attention (enable_gqa) repeats each key/value head for its query heads first;
 - `aten::to` is a cast or nothing (a program's tensors share one device);
 - export's functional writes through views: `fill.Tensor` and `copy` are the value broadcast
   to the shape, `select_scatter` and `slice_scatter` the slices around the source, concatenated;
@@ -313,13 +314,13 @@ class Builder:
     def _attention(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                    enable_gqa=False):
         """SDPA as its math: softmax(q k^T * scale + mask) v, a fully masked row 0, dropout on the probabilities."""
+        if enable_gqa:
+            key, value = self._repeat_heads(query, key), self._repeat_heads(query, value)
         if attn_mask is None and dropout_p == 0:
             kwargs = {"is_causal": True} if is_causal else {}
             if scale is not None:
                 kwargs["scale"] = scale
             return self.emit(aten.scaled_dot_product_attention.default, [query, key, value], kwargs)
-        if enable_gqa:
-            raise ConversionError("scaled_dot_product_attention with enable_gqa and a mask or dropout")
         q, k = _val(query), _val(key)
         sq, sk = q.shape[-2], k.shape[-2]
         if scale is None:
@@ -348,6 +349,27 @@ class Builder:
         if dropout_p > 0:
             probs = self.dropout(probs, float(dropout_p))
         return e(aten.matmul.default, [probs, value])
+
+    def _repeat_heads(self, query, kv):
+        """Grouped-query attention's key or value with each head repeated for the query heads that
+        share it (SDPA's enable_gqa: repeat_interleave over dim -3), as unsqueeze, expand and
+        reshape, which Relax's Gradient differentiates (it has no rule for repeat)."""
+        if isinstance(kv, torch.Tensor):
+            kv = self.const(kv)
+        q, x = _val(query), _val(kv)
+        if q.dim() < 3 or x.dim() != q.dim():
+            raise ConversionError(f"scaled_dot_product_attention with enable_gqa: query {list(q.shape)}, "
+                                  f"key/value {list(x.shape)} (both need a head dim -3)")
+        hq, hkv = q.shape[-3], x.shape[-3]
+        if hq == hkv:
+            return kv
+        if hkv == 0 or hq % hkv:
+            raise ConversionError(f"scaled_dot_product_attention with enable_gqa: {hq} query heads are not a "
+                                  f"multiple of {hkv} key/value heads")
+        shape = list(x.shape)
+        wide = shape[:-3] + [hkv, hq // hkv] + shape[-2:]
+        grouped = self.emit(aten.expand.default, [self.emit(aten.unsqueeze.default, [kv, x.dim() - 2]), wide])
+        return self.emit(aten.reshape.default, [grouped, shape[:-3] + [hq] + shape[-2:]])
 
     def _scalar(self, value, dtype):
         return self.emit(aten.scalar_tensor.default, [value], {"dtype": dtype})
