@@ -762,6 +762,31 @@ def test_scripted_grouped_query_attention(kind):
     _scripted_grads_match_cpu(_GroupedAttention(kind), torch.randn(2, 7, 8), keep)
 
 
+class _WhereScalar(nn.Module):
+    """GPT-Neo's causal mask: torch.where with a Python float branch (TorchScript records
+    aten::where.ScalarOther, which the lazy device never sees)."""
+
+    def __init__(self, which):
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+        self.which = which
+
+    def forward(self, x):
+        h = self.fc(x)
+        keep = h > 0
+        if self.which == "other":
+            return torch.where(keep, h, torch.finfo(h.dtype).min / 1e30)
+        if self.which == "self":
+            return torch.where(keep, 0.5, h)
+        return torch.where(keep, 1.5, -2.0) * h
+
+
+@pytest.mark.parametrize("which", ["other", "self", "both"])
+def test_scripted_where_with_a_scalar_branch(which):
+    torch.manual_seed(0)
+    _scripted_grads_match_cpu(_WhereScalar(which), torch.randn(3, 6))
+
+
 class _CastsAndMasks(nn.Module):
     """What BERT's TorchScript graph holds: aten::to with a device then a dtype (to.device), and
     ~mask (relax.bitwise_not, which a scripted backward must step over)."""
