@@ -525,6 +525,33 @@ def test_cpu_kernels_of_a_script_replay_its_masks_and_buffer_writes(dev):
         _close(g, params[script.attr_paths[i - script.n_inputs]].grad.cpu())
 
 
+class _BroadcastBranches(nn.Module):
+    """Branches broadcast against each other: T5's mask (1, heads, q, k) beside scores (batch,
+    heads, q, k); maximum and minimum with ties (a ReLU written as maximum(x, 0))."""
+
+    def __init__(self, op):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4))
+        self.op = op
+
+    def forward(self, x, y):
+        if self.op == "where":
+            return torch.where(x > 0, x * y, self.w)
+        h = torch.cat([x, y], 0) * self.w  # rows 3-5 repeat rows 0-2 of x exactly where y == x
+        return getattr(torch, self.op)(h, (x * self.w)[:1]) + getattr(torch, self.op)(h, torch.zeros(()))
+
+
+@pytest.mark.parametrize("op", ["where", "maximum", "minimum"])
+def test_scripted_broadcast_branch_gradients_are_pytorchs(op):
+    """Each operand's gradient sums over the dims it was broadcast along, and a tie of maximum or
+    minimum gives each operand half (PyTorch's formula; TVM's gave the first operand all of it)."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 4)
+    y = x.clone()
+    y[1] = torch.randn(4)
+    _scripted_grads_match_cpu(_BroadcastBranches(op), x, y)
+
+
 class SmoothActivations(nn.Module):
     """Ops whose ratex rules are TIR kernels (accurate near 0) but whose scripted forward must
     stay differentiable by Relax's Gradient."""

@@ -277,6 +277,38 @@ def _matmul_grad(orig_var, orig_call, output_grad, bb):
     return [op.matmul(output_grad, op.permute_dims(b, [1, 0])), op.matmul(op.permute_dims(a2, [1, 0]), g2)]
 
 
+@register_gradient("relax.where", level=11)  # overrides TVM's, which leaves a broadcast branch's gradient broadcast
+def _where_grad(orig_var, orig_call, output_grad, bb):
+    # T5's attention mask: where(mask (1, h, q, k), scores (b, h, q, k), -inf); each branch's
+    # gradient is summed back over the dims it was broadcast along.
+    cond, x, y = orig_call.args
+    zero = _const(0, orig_var)
+    return [op.grad.no_grad(cond), _fit(bb, op.where(cond, output_grad, zero), x),
+            _fit(bb, op.where(cond, zero, output_grad), y)]
+
+
+@register_gradient("relax.maximum", level=11)  # overrides TVM's, which gives a tie's gradient to x alone
+def _maximum_grad(orig_var, orig_call, output_grad, bb):
+    return _extremum_grad(orig_call, output_grad, bb, op.less)
+
+
+@register_gradient("relax.minimum", level=11)
+def _minimum_grad(orig_var, orig_call, output_grad, bb):
+    return _extremum_grad(orig_call, output_grad, bb, op.greater)
+
+
+def _extremum_grad(orig_call, output_grad, bb, loses):
+    # PyTorch's maximum/minimum backward: where(x == y, g / 2, g), zeroed where the operand
+    # loses (so g / 2 to each at a tie, and g to both where a NaN makes every comparison false).
+    x, y = orig_call.args
+    half = bb.normalize(op.multiply(output_grad, _const(0.5, output_grad)))
+    zero = _const(0, output_grad)
+    tie = bb.normalize(op.equal(x, y))
+    gx = op.where(tie, half, op.where(loses(x, y), zero, output_grad))
+    gy = op.where(tie, half, op.where(loses(y, x), zero, output_grad))
+    return [_fit(bb, gx, x), _fit(bb, gy, y)]
+
+
 @register_gradient("relax.take", level=11)  # overrides TVM's, whose kernel needs 1-d indices
 def _take_grad(orig_var, orig_call, output_grad, bb):
     x, indices = orig_call.args[0], orig_call.args[1]
