@@ -552,6 +552,44 @@ def test_scripted_broadcast_branch_gradients_are_pytorchs(op):
     _scripted_grads_match_cpu(_BroadcastBranches(op), x, y)
 
 
+class _AttentionView(nn.Module):
+    """Masked attention, then transpose, contiguous and view: export drops the contiguous (its
+    attention kernel's output is already laid out for it), so the view meets whatever layout
+    the script's attention math gives."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+
+    def forward(self, x, keep):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, 2, 4).permute(2, 0, 3, 1, 4).unbind(0)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None, None, :])
+        return out.transpose(1, 2).contiguous().view(b, t, d)
+
+
+@pytest.mark.parametrize("captures", [("trace",), ("export",)])
+def test_cpu_kernels_of_a_script_view_what_its_ops_lay_out(dev, captures):
+    """script_fwd/script_bwd's CPU kernels compute a view of any layout (T5's attention output)."""
+    torch.manual_seed(0)
+    ref = _AttentionView()
+    model = jit.script(copy.deepcopy(ref), captures=captures).to(dev)
+    x, keep = torch.randn(2, 7, 8), torch.tensor([[True] * 5 + [False] * 2, [True] * 7])
+    model(x.to(dev), keep.to(dev))
+    (entry,) = model._entries.values()
+    assert entry.capture == captures[0]
+    script = entry.script
+    params = dict(ref.named_parameters())
+    args = [x, keep] + [params[p].detach() for p in script.attr_paths] + list(script.consts)
+    (out,) = torch.ops.ratex.script_fwd(entry.key, args)
+    want = ref(x, keep)
+    _close(out, want.detach())
+    grads = torch.ops.ratex.script_bwd(entry.key, args + [torch.ones_like(out)])
+    want.sum().backward()
+    for i, g in zip(script.diff, grads):
+        _close(g, params[script.attr_paths[i - script.n_inputs]].grad)
+
+
 class SmoothActivations(nn.Module):
     """Ops whose ratex rules are TIR kernels (accurate near 0) but whose scripted forward must
     stay differentiable by Relax's Gradient."""
