@@ -827,6 +827,24 @@ def test_scripted_grouped_query_attention(kind):
     _scripted_grads_match_cpu(_GroupedAttention(kind), torch.randn(2, 7, 8), keep)
 
 
+class _RepeatInterleave(nn.Module):
+    """GPT-J's rotary embedding repeats each sine and cosine twice along the last dim."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+        self.dim = dim
+
+    def forward(self, x):
+        return torch.repeat_interleave(self.fc(x), 3, dim=self.dim)
+
+
+@pytest.mark.parametrize("dim", [-1, 0, None])
+def test_scripted_repeat_interleave(dim):
+    torch.manual_seed(0)
+    _scripted_grads_match_cpu(_RepeatInterleave(dim), torch.randn(2, 6))
+
+
 class _WhereScalar(nn.Module):
     """GPT-Neo's causal mask: torch.where with a Python float branch (TorchScript records
     aten::where.ScalarOther, which the lazy device never sees)."""

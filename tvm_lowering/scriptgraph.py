@@ -14,6 +14,7 @@ the model's own, then the new values of the buffers the forward writes. Each cal
 - scaled_dot_product_attention with a mask or dropout becomes matmul, softmax, matmul, the
   way PyTorch's math kernel computes it (a fully masked row gives 0, not NaN);
   grouped-query attention (enable_gqa) repeats each key/value head for its query heads first;
+- repeat_interleave with an int count is unsqueeze, expand and reshape;
 - `aten::to` is a cast or nothing (a program's tensors share one device);
 - export's functional writes through views: `fill.Tensor` and `copy` are the value broadcast
   to the shape, `select_scatter` and `slice_scatter` the slices around the source, concatenated;
@@ -189,7 +190,28 @@ class Builder:
             return self._broadcast_to_self(op, args, kwargs)
         if op in (aten.select_scatter.default, aten.slice_scatter.default):
             return self._scatter(op, args, kwargs)
+        if op is aten.repeat_interleave.self_int:
+            a = bind(op, args, kwargs)
+            return self._repeat_interleave(a["self"], a["repeats"], a["dim"])
         return self.emit(op, args, kwargs)
+
+    def _repeat_interleave(self, x, repeats, dim):
+        """repeat_interleave with an int count: each element `repeats` times in a row along `dim`
+        (the flattened input where dim is None), as unsqueeze, expand and reshape, which Relax's
+        Gradient differentiates (it has no rule for repeat)."""
+        if isinstance(x, torch.Tensor):
+            x = self.const(x)
+        if not isinstance(repeats, int) or repeats < 0:
+            raise ConversionError(f"repeat_interleave with repeats={repeats!r} (a count >= 0 is supported)")
+        if dim is None:
+            x, dim = self.emit(aten.reshape.default, [x, [-1]]), 0
+        shape = list(_val(x).shape)
+        if not shape:
+            x, shape = self.emit(aten.reshape.default, [x, [1]]), [1]
+        dim %= len(shape)
+        wide = shape[: dim + 1] + [repeats] + shape[dim + 1:]
+        spread = self.emit(aten.expand.default, [self.emit(aten.unsqueeze.default, [x, dim + 1]), wide])
+        return self.emit(aten.reshape.default, [spread, shape[:dim] + [shape[dim] * repeats] + shape[dim + 1:]])
 
     def _broadcast_to_self(self, op, args, kwargs):
         """fill(x, v) and copy(x, src), functional: the value in x's dtype, broadcast to x's shape."""
@@ -352,8 +374,7 @@ class Builder:
 
     def _repeat_heads(self, query, kv):
         """Grouped-query attention's key or value with each head repeated for the query heads that
-        share it (SDPA's enable_gqa: repeat_interleave over dim -3), as unsqueeze, expand and
-        reshape, which Relax's Gradient differentiates (it has no rule for repeat)."""
+        share it (SDPA's enable_gqa: repeat_interleave over dim -3)."""
         if isinstance(kv, torch.Tensor):
             kv = self.const(kv)
         q, x = _val(query), _val(kv)
@@ -366,10 +387,7 @@ class Builder:
         if hkv == 0 or hq % hkv:
             raise ConversionError(f"scaled_dot_product_attention with enable_gqa: {hq} query heads are not a "
                                   f"multiple of {hkv} key/value heads")
-        shape = list(x.shape)
-        wide = shape[:-3] + [hkv, hq // hkv] + shape[-2:]
-        grouped = self.emit(aten.expand.default, [self.emit(aten.unsqueeze.default, [kv, x.dim() - 2]), wide])
-        return self.emit(aten.reshape.default, [grouped, shape[:-3] + [hq] + shape[-2:]])
+        return self._repeat_interleave(kv, hq // hkv, -3)
 
     def _scalar(self, value, dtype):
         return self.emit(aten.scalar_tensor.default, [value], {"dtype": dtype})
