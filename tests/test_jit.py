@@ -845,6 +845,25 @@ def test_scripted_repeat_interleave(dim):
     _scripted_grads_match_cpu(_RepeatInterleave(dim), torch.randn(2, 6))
 
 
+class _Stack(nn.Module):
+    """GPT-J's rotate_every_two: the negated odd and the even features stacked on a new last dim."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+        self.dim = dim
+
+    def forward(self, x):
+        h = self.fc(x)
+        return torch.stack((-h[:, 1::2], h[:, ::2], h[:, :3] * h[:, 3:]), dim=self.dim).flatten(-2)
+
+
+@pytest.mark.parametrize("dim", [-1, 0, 1])
+def test_scripted_stack(dim):
+    torch.manual_seed(0)
+    _scripted_grads_match_cpu(_Stack(dim), torch.randn(2, 6))
+
+
 class _WhereScalar(nn.Module):
     """GPT-Neo's causal mask: torch.where with a Python float branch (TorchScript records
     aten::where.ScalarOther, which the lazy device never sees)."""

@@ -91,6 +91,16 @@ def _ints(expr):
     return [int(f.value) if hasattr(f, "value") else int(f) for f in fields]
 
 
+@_register("relax.stack")
+def _stack_grad(orig_var, orig_call, output_grad, bb):
+    # The gradient of each stacked tensor is its slice of the output's: split along the new axis
+    # (GPT-J's rotary embedding stacks the rotated halves).
+    n = len(orig_call.args[0].ty.fields)
+    axis = int(orig_call.attrs.axis) % len(_shape(orig_var))
+    parts = bb.normalize(op.split(output_grad, n, axis))
+    return [relax.Tuple([op.squeeze(relax.TupleGetItem(parts, i), [axis]) for i in range(n)])]
+
+
 @_register("relax.strided_slice")
 def _strided_slice_grad(orig_var, orig_call, output_grad, bb):
     """Put the gradient back where the slice came from: interleave zeros for steps, pad around."""
