@@ -864,6 +864,40 @@ def test_scripted_stack(dim):
     _scripted_grads_match_cpu(_Stack(dim), torch.randn(2, 6))
 
 
+class _ZooOps(nn.Module):
+    """Ops of the model zoo's forwards whose scripted gradients TVM has no rule for: Whisper's and
+    ConvBERT's 1-d convolutions (a depthwise one), MobileBERT's constant pads, ConvBERT's
+    unfold and torch.multiply (no lowering rule: recorded as PyTorch's decomposition), DeBERTa's
+    gather and repeat (relax.tile)."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.fc = nn.Linear(6, 8)
+        self.kind = kind
+        self.conv = {"conv1d": nn.Conv1d(4, 6, 3, stride=2, padding=1, dilation=2),
+                     "depthwise": nn.Conv1d(4, 4, 3, padding=1, groups=4, bias=False)}.get(kind)
+
+    def forward(self, x):
+        h = self.fc(x)  # (2, 3, 8)
+        if self.conv is not None:
+            return self.conv(h.reshape(2, 4, 6))
+        if self.kind == "pad":
+            return torch.cat([F.pad(h[:, 1:], [0, 0, 0, 1], value=0.5), h, F.pad(h[:, :-1], [2, 1, 1, 0])], -1)
+        if self.kind == "unfold":
+            cols = F.unfold(h.transpose(1, 2).unsqueeze(-1), [3, 1], padding=[1, 0])
+            return torch.multiply(cols.transpose(1, 2).reshape(2, 3, 8, 3), h.unsqueeze(-1))
+        if self.kind == "gather":
+            index = torch.tensor([[0, 7, 7], [1, 1, 2], [3, 0, 3]]).expand(2, 3, 3)
+            return torch.gather(h, -1, index)
+        return h.repeat(2, 1, 1, 3)
+
+
+@pytest.mark.parametrize("kind", ["conv1d", "depthwise", "pad", "unfold", "gather", "repeat"])
+def test_scripted_zoo_op_gradients_are_pytorchs(kind):
+    torch.manual_seed(0)
+    _scripted_grads_match_cpu(_ZooOps(kind), torch.randn(2, 3, 6))
+
+
 class _WhereScalar(nn.Module):
     """GPT-Neo's causal mask: torch.where with a Python float branch (TorchScript records
     aten::where.ScalarOther, which the lazy device never sees)."""

@@ -101,6 +101,83 @@ def _stack_grad(orig_var, orig_call, output_grad, bb):
     return [relax.Tuple([op.squeeze(relax.TupleGetItem(parts, i), [axis]) for i in range(n)])]
 
 
+@_register("relax.tile")
+def _tile_grad(orig_var, orig_call, output_grad, bb):
+    # The sum of the gradients of every copy: the output read as (copies, size) per dim, summed
+    # over the copies (DeBERTa repeats its relative positions per head).
+    x = orig_call.args[0]
+    shape, reps = _shape(x), [int(r) for r in orig_call.attrs.repeats]
+    nd = max(len(shape), len(reps))
+    full, reps = [1] * (nd - len(shape)) + shape, [1] * (nd - len(reps)) + reps
+    g = op.reshape(output_grad, [v for r, n in zip(reps, full) for v in (r, n)])
+    return [op.reshape(op.sum(g, axis=[2 * d for d in range(nd)]), shape)]
+
+
+@_register("relax.gather_elements")
+def _gather_elements_grad(orig_var, orig_call, output_grad, bb):
+    # Each gathered element's gradient added back where it was read (DeBERTa's relative-position
+    # scores), duplicates accumulating. TVM's scatter kernel walks each fiber along the axis
+    # serially, but reads the indices' other dims as the data's: they must be the same sizes.
+    x, indices = orig_call.args
+    axis = int(orig_call.attrs.axis) % len(_shape(x))
+    xs, ids = _shape(x), _shape(indices)
+    if [n for d, n in enumerate(xs) if d != axis] != [n for d, n in enumerate(ids) if d != axis]:
+        raise NotImplementedError(f"gradient of gather_elements of {xs} at indices {ids} along axis {axis}")
+    zeros = op.zeros(x.ty.shape, _dtype(x))
+    return [op.scatter_elements(zeros, indices, output_grad, axis, reduction="add"), op.grad.no_grad(indices)]
+
+
+@_register("relax.nn.conv1d")
+def _conv1d_grad(orig_var, orig_call, output_grad, bb):
+    # Whisper's and ConvBERT's 1-d convolutions (a depthwise one among them).
+    a = orig_call.attrs
+    if (str(a.data_layout), str(a.kernel_layout), str(a.out_layout)) != ("NCW", "OIW", "NCW"):
+        raise NotImplementedError(f"gradient of conv1d with layouts {a.data_layout}, {a.kernel_layout}")
+    x, w = orig_call.args
+    (stride,), (dilation,), (left, right) = ([int(v) for v in vs] for vs in (a.strides, a.dilation, a.padding))
+    groups = int(a.groups)
+    n, c, size = _shape(x)
+    o, _, k = _shape(w)
+    length = _shape(orig_var)[2]
+    # The input's gradient: the transposed convolution of g, cropped to the input's length
+    # (the crop at the end given as padding, and zeros past the last window's reach:
+    # Relax's output padding must stay below the stride).
+    full = (length - 1) * stride + dilation * (k - 1) + 1
+    after = max(full - left - size, 0)
+    dx = bb.normalize(op.nn.conv1d_transpose(output_grad, w, strides=stride, padding=(left, after),
+                                             dilation=dilation, groups=groups))
+    short = size - _shape(dx)[2]
+    if short:
+        dx = op.nn.pad(dx, [0, 0, 0, 0, 0, short])
+    # The weight's gradient: a convolution of the input (channels as the batch, per group) with g
+    # as the kernel, strides and dilation swapped, in 2-d over height-1 images, as TVM's conv2d rule.
+    data = op.expand_dims(x, 2)
+    if groups != 1:
+        data = op.reshape(op.permute_dims(op.reshape(data, (n, groups, c // groups, 1, size)), [1, 0, 2, 3, 4]),
+                          (groups * n, c // groups, 1, size))
+    dw = bb.normalize(op.nn.conv2d(data, op.expand_dims(output_grad, 2), strides=(1, dilation),
+                                   padding=(0, left, 0, right), dilation=(1, stride), groups=groups,
+                                   data_layout="CNHW", kernel_layout="IOHW", out_layout="CNHW"))
+    if _shape(dw)[3] > k:
+        dw = op.strided_slice(dw, [3], [0], [k])
+    return [dx, op.reshape(dw, [o, c // groups, k])]
+
+
+@_register("relax.nn.pad")
+def _pad_grad(orig_var, orig_call, output_grad, bb):
+    # A constant pad's gradient is the output's gradient where the input sits (MobileBERT's and
+    # ConvBERT's shifted copies of the sequence). Reflected or replicated borders would add up
+    # several outputs' gradients in one input element: no rule for them.
+    x = orig_call.args[0]
+    widths = [int(w) for w in orig_call.attrs.pad_width]
+    if str(orig_call.attrs.pad_mode) != "constant" or min(widths) < 0:
+        raise NotImplementedError(f"gradient of a {orig_call.attrs.pad_mode} pad with widths {widths}")
+    shape = _shape(x)
+    axes = list(range(len(shape)))
+    begins = [widths[2 * a] for a in axes]
+    return [op.strided_slice(output_grad, axes, begins, [b + n for b, n in zip(begins, shape)])]
+
+
 @_register("relax.strided_slice")
 def _strided_slice_grad(orig_var, orig_call, output_grad, bb):
     """Put the gradient back where the slice came from: interleave zeros for steps, pad around."""
