@@ -868,7 +868,7 @@ class _ZooOps(nn.Module):
     """Ops of the model zoo's forwards whose scripted gradients TVM has no rule for: Whisper's and
     ConvBERT's 1-d convolutions (a depthwise one), MobileBERT's constant pads, ConvBERT's
     unfold and torch.multiply (no lowering rule: recorded as PyTorch's decomposition), DeBERTa's
-    gather and repeat (relax.tile)."""
+    gather and repeat (relax.tile), Swin's adaptive average pool over tokens."""
 
     def __init__(self, kind):
         super().__init__()
@@ -886,13 +886,15 @@ class _ZooOps(nn.Module):
         if self.kind == "unfold":
             cols = F.unfold(h.transpose(1, 2).unsqueeze(-1), [3, 1], padding=[1, 0])
             return torch.multiply(cols.transpose(1, 2).reshape(2, 3, 8, 3), h.unsqueeze(-1))
+        if self.kind == "pool1d":  # Swin's pool over its tokens, and uneven windows
+            return torch.cat([F.adaptive_avg_pool1d(h, 1), F.adaptive_avg_pool1d(h, 3)], -1)
         if self.kind == "gather":
             index = torch.tensor([[0, 7, 7], [1, 1, 2], [3, 0, 3]]).expand(2, 3, 3)
             return torch.gather(h, -1, index)
         return h.repeat(2, 1, 1, 3)
 
 
-@pytest.mark.parametrize("kind", ["conv1d", "depthwise", "pad", "unfold", "gather", "repeat"])
+@pytest.mark.parametrize("kind", ["conv1d", "depthwise", "pad", "unfold", "gather", "repeat", "pool1d"])
 def test_scripted_zoo_op_gradients_are_pytorchs(kind):
     torch.manual_seed(0)
     _scripted_grads_match_cpu(_ZooOps(kind), torch.randn(2, 3, 6))

@@ -472,6 +472,18 @@ def _adaptive_avg_pool2d_grad(orig_var, orig_call, output_grad, bb):
     return [op.matmul(op.matmul(relax.const(spread_h), scaled), relax.const(np.ascontiguousarray(spread_w.T)))]
 
 
+@_register("relax.nn.adaptive_avg_pool1d")
+def _adaptive_avg_pool1d_grad(orig_var, orig_call, output_grad, bb):
+    # As the 2-d rule, along one dim: (g / window size) @ S^T (Swin's final pool over tokens).
+    a = orig_call.attrs
+    x = orig_call.args[0]
+    if str(a.layout) != "NCW" or str(a.out_layout) != "NCW":
+        raise NotImplementedError("gradient of adaptive_avg_pool1d other than NCW")
+    spread = _adaptive_spread(_shape(x)[2], _shape(orig_var)[2], _dtype(x))
+    scaled = op.divide(output_grad, relax.const(spread.sum(0)))
+    return [op.matmul(scaled, relax.const(np.ascontiguousarray(spread.T)))]
+
+
 def _adaptive_spread(size, outs, dtype):
     """(size, outs) matrix of ones where adaptive window o covers position i."""
     spread = np.zeros((size, outs), dtype)
