@@ -868,7 +868,7 @@ class _ZooOps(nn.Module):
     """Ops of the model zoo's forwards whose scripted gradients TVM has no rule for: Whisper's and
     ConvBERT's 1-d convolutions (a depthwise one), MobileBERT's constant pads, ConvBERT's
     unfold and torch.multiply (no lowering rule: recorded as PyTorch's decomposition), DeBERTa's
-    gather and repeat (relax.tile), Swin's adaptive average pool over tokens."""
+    gather and repeat (relax.tile), Swin's adaptive average pool over tokens, wav2vec2's GroupNorm."""
 
     def __init__(self, kind):
         super().__init__()
@@ -876,6 +876,10 @@ class _ZooOps(nn.Module):
         self.kind = kind
         self.conv = {"conv1d": nn.Conv1d(4, 6, 3, stride=2, padding=1, dilation=2),
                      "depthwise": nn.Conv1d(4, 4, 3, padding=1, groups=4, bias=False)}.get(kind)
+        self.norm = nn.GroupNorm(4 if kind == "group_norm" else 2, 4) if kind.startswith("group_norm") else None
+        if self.norm is not None:  # not the identity affine
+            nn.init.normal_(self.norm.weight)
+            nn.init.normal_(self.norm.bias)
 
     def forward(self, x):
         h = self.fc(x)  # (2, 3, 8)
@@ -886,6 +890,10 @@ class _ZooOps(nn.Module):
         if self.kind == "unfold":
             cols = F.unfold(h.transpose(1, 2).unsqueeze(-1), [3, 1], padding=[1, 0])
             return torch.multiply(cols.transpose(1, 2).reshape(2, 3, 8, 3), h.unsqueeze(-1))
+        if self.kind == "group_norm":  # wav2vec2's feature encoder: a group per channel
+            return self.norm(h.reshape(2, 4, 6))
+        if self.kind == "group_norm_2d":
+            return self.norm(h.reshape(2, 4, 2, 3))
         if self.kind == "pool1d":  # Swin's pool over its tokens, and uneven windows
             return torch.cat([F.adaptive_avg_pool1d(h, 1), F.adaptive_avg_pool1d(h, 3)], -1)
         if self.kind == "gather":
@@ -894,7 +902,8 @@ class _ZooOps(nn.Module):
         return h.repeat(2, 1, 1, 3)
 
 
-@pytest.mark.parametrize("kind", ["conv1d", "depthwise", "pad", "unfold", "gather", "repeat", "pool1d"])
+@pytest.mark.parametrize("kind", ["conv1d", "depthwise", "pad", "unfold", "gather", "repeat", "pool1d",
+                                  "group_norm", "group_norm_2d"])
 def test_scripted_zoo_op_gradients_are_pytorchs(kind):
     torch.manual_seed(0)
     _scripted_grads_match_cpu(_ZooOps(kind), torch.randn(2, 3, 6))

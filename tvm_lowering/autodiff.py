@@ -285,6 +285,33 @@ def _layer_norm_grad(orig_var, orig_call, output_grad, bb):
     return [dx, _fit(bb, dgamma, gamma), _fit(bb, dbeta, beta)]
 
 
+@_register("relax.nn.group_norm")
+def _group_norm_grad(orig_var, orig_call, output_grad, bb):
+    # Layer norm's gradient within each group (wav2vec2's feature encoder): the channel axis split
+    # into (groups, channels per group), normalized over the latter and `axes`.
+    x, gamma, beta = orig_call.args
+    a = orig_call.attrs
+    shape = _shape(x)
+    nd, ca, groups = len(shape), int(a.channel_axis) % len(shape), int(a.num_groups)
+    c = shape[ca]
+    grouped = shape[:ca] + [groups, c // groups] + shape[ca + 1:]
+    axes = [ca + 1] + [d + 1 if d > ca else d for d in (int(v) % nd for v in a.axes)]
+    eps = float(a.epsilon)
+    xg = bb.normalize(op.reshape(x, grouped))
+    xc = bb.normalize(op.subtract(xg, op.mean(xg, axes, keepdims=True)))
+    rstd = bb.normalize(op.rsqrt(op.add(op.mean(op.multiply(xc, xc), axes, keepdims=True), _const(eps, x))))
+    xhat = bb.normalize(op.multiply(xc, rstd))
+    go = bb.normalize(op.reshape(output_grad, grouped))
+    per_channel = [1] * ca + [groups, c // groups] + [1] * (nd - ca - 1)
+    g = bb.normalize(op.multiply(go, op.reshape(gamma, per_channel))) if a.scale else go
+    dx = op.multiply(rstd, op.subtract(op.subtract(g, op.mean(g, axes, keepdims=True)),
+                                       op.multiply(xhat, op.mean(op.multiply(g, xhat), axes, keepdims=True))))
+    others = [d for d in range(nd) if d != ca]
+    dgamma = op.sum(op.multiply(output_grad, op.reshape(xhat, shape)), others) if a.scale else op.zeros_like(gamma)
+    dbeta = op.sum(output_grad, others) if a.center else op.zeros_like(beta)
+    return [op.reshape(dx, shape), dgamma, dbeta]
+
+
 def attention_probs(bb, q, k, v, attrs):
     """(qt, kt, vt, p) for attention(q, k, v) of relax.nn.attention's (batch, seq, head, dim)
     layout: q, k, v as (batch, head, seq, dim) and p = softmax(q k^T * scale [+ causal mask]).
