@@ -192,7 +192,10 @@ class Flat(nn.Module):
 
     def __init__(self, model: nn.Module, call: Call):
         super().__init__()
-        object.__setattr__(self, "model", model)
+        # An instance attribute shadows a submodule of the same name, and models name theirs
+        # `model` (Hugging Face's decoders: `self.model = LlamaModel(...)`); export looks up
+        # `model.embed_tokens` through this module.
+        object.__setattr__(self, "_ratex_model", model)
         share(self, model)
         # Not the call's own tensors: a module sits in reference cycles, which keep what it holds
         # alive until the garbage collector runs, and a pending lazy input kept alive is computed
@@ -209,7 +212,7 @@ class Flat(nn.Module):
 
     def forward(self, *tensors):
         args, kwargs = self.call.rebuild(tensors)
-        self._last.outputs, flat = Outputs.of(self.model(*args, **kwargs))
+        self._last.outputs, flat = Outputs.of(self._ratex_model(*args, **kwargs))
         return tuple(flat)
 
 

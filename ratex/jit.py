@@ -108,7 +108,19 @@ def register(key: str, script):
     functions for the lowering rules, its fx graph as the CPU kernels."""
     _scripts[key] = script
     torchscript.register(key, script)
-    _cpu_runners[key] = fx.GraphModule(nn.Module(), script.graph)
+    _cpu_runners[key] = fx.GraphModule(nn.Module(), _reshaping(script.graph))
+
+
+def _reshaping(graph: fx.Graph) -> fx.Graph:
+    """A copy of `graph` whose views are reshapes: its values have the layouts of ATen's CPU
+    kernels, not the captured model's (a transposed attention output that the model made
+    contiguous before its view), and a view is only its shape here, as in Relax."""
+    copy_ = fx.Graph()
+    copy_.output(copy_.graph_copy(graph, {}))
+    for node in copy_.nodes:
+        if node.op == "call_function" and node.target in (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default):
+            node.target = torch.ops.aten.reshape.default
+    return copy_
 
 
 def _call(op, key, tensors: list):
@@ -219,12 +231,15 @@ for _op in _RNN_OPS:
 
 # ---- the module wrapper -----------------------------------------------------------
 class _Entry:
-    """What a signature resolved to: a script key and how to call it, or key None for the plain lazy path."""
+    """What a signature resolved to: a script key and how to call it, or key None for the plain lazy path.
 
-    __slots__ = ("key", "script", "consts", "outputs")
+    `capture` names the capture that took it ("trace", "export"; None: the plain lazy path)."""
 
-    def __init__(self, key=None, script=None, consts=(), outputs=None):
+    __slots__ = ("key", "script", "consts", "outputs", "capture")
+
+    def __init__(self, key=None, script=None, consts=(), outputs=None, capture=None):
         self.key, self.script, self.consts, self.outputs = key, script, list(consts), outputs
+        self.capture = capture
 
 
 class ScriptModule(nn.Module):
@@ -348,7 +363,7 @@ class ScriptModule(nn.Module):
                     continue
                 register(key, script)
             device = call.tensors[0].device
-            return _Entry(key, script, [c.to(device) for c in script.consts], flat.outputs)
+            return _Entry(key, script, [c.to(device) for c in script.consts], flat.outputs, how)
         warnings.warn(
             f"ratex.jit.script: cannot capture {name} ({'; '.join(failures)}); "
             "running it on the lazy device without scripting",

@@ -525,6 +525,71 @@ def test_cpu_kernels_of_a_script_replay_its_masks_and_buffer_writes(dev):
         _close(g, params[script.attr_paths[i - script.n_inputs]].grad.cpu())
 
 
+class _BroadcastBranches(nn.Module):
+    """Branches broadcast against each other: T5's mask (1, heads, q, k) beside scores (batch,
+    heads, q, k); maximum and minimum with ties (a ReLU written as maximum(x, 0))."""
+
+    def __init__(self, op):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4))
+        self.op = op
+
+    def forward(self, x, y):
+        if self.op == "where":
+            return torch.where(x > 0, x * y, self.w)
+        h = torch.cat([x, y], 0) * self.w  # rows 3-5 repeat rows 0-2 of x exactly where y == x
+        return getattr(torch, self.op)(h, (x * self.w)[:1]) + getattr(torch, self.op)(h, torch.zeros(()))
+
+
+@pytest.mark.parametrize("op", ["where", "maximum", "minimum"])
+def test_scripted_broadcast_branch_gradients_are_pytorchs(op):
+    """Each operand's gradient sums over the dims it was broadcast along, and a tie of maximum or
+    minimum gives each operand half (PyTorch's formula; TVM's gave the first operand all of it)."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 4)
+    y = x.clone()
+    y[1] = torch.randn(4)
+    _scripted_grads_match_cpu(_BroadcastBranches(op), x, y)
+
+
+class _AttentionView(nn.Module):
+    """Masked attention, then transpose, contiguous and view: export drops the contiguous (its
+    attention kernel's output is already laid out for it), so the view meets whatever layout
+    the script's attention math gives."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+
+    def forward(self, x, keep):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, 2, 4).permute(2, 0, 3, 1, 4).unbind(0)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None, None, :])
+        return out.transpose(1, 2).contiguous().view(b, t, d)
+
+
+@pytest.mark.parametrize("captures", [("trace",), ("export",)])
+def test_cpu_kernels_of_a_script_view_what_its_ops_lay_out(dev, captures):
+    """script_fwd/script_bwd's CPU kernels compute a view of any layout (T5's attention output)."""
+    torch.manual_seed(0)
+    ref = _AttentionView()
+    model = jit.script(copy.deepcopy(ref), captures=captures).to(dev)
+    x, keep = torch.randn(2, 7, 8), torch.tensor([[True] * 5 + [False] * 2, [True] * 7])
+    model(x.to(dev), keep.to(dev))
+    (entry,) = model._entries.values()
+    assert entry.capture == captures[0]
+    script = entry.script
+    params = dict(ref.named_parameters())
+    args = [x, keep] + [params[p].detach() for p in script.attr_paths] + list(script.consts)
+    (out,) = torch.ops.ratex.script_fwd(entry.key, args)
+    want = ref(x, keep)
+    _close(out, want.detach())
+    grads = torch.ops.ratex.script_bwd(entry.key, args + [torch.ones_like(out)])
+    want.sum().backward()
+    for i, g in zip(script.diff, grads):
+        _close(g, params[script.attr_paths[i - script.n_inputs]].grad)
+
+
 class SmoothActivations(nn.Module):
     """Ops whose ratex rules are TIR kernels (accurate near 0) but whose scripted forward must
     stay differentiable by Relax's Gradient."""
@@ -736,6 +801,137 @@ def test_scripted_attention_with_masks_and_scale(kind):
     torch.manual_seed(0)
     keep = torch.tensor([[True] * 5 + [False] * 2, [True] * 7])
     _scripted_grads_match_cpu(_Attention(kind), torch.randn(2, 7, 8), keep)
+
+
+class _GroupedAttention(nn.Module):
+    """Grouped-query attention as Llama calls it: 4 query heads share 2 key/value heads."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.q, self.kv = nn.Linear(8, 16), nn.Linear(8, 16)
+        self.kind = kind
+
+    def forward(self, x, keep):
+        b, t, _ = x.shape
+        q = self.q(x).view(b, t, 4, 4).transpose(1, 2)
+        k, v = self.kv(x).view(b, t, 2, 2, 4).permute(2, 0, 3, 1, 4).unbind(0)
+        kw = {"is_causal": True} if self.kind == "causal" else {"attn_mask": keep[:, None, None, :]}
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kw).transpose(1, 2).reshape(b, t, 16)
+
+
+@pytest.mark.parametrize("kind", ["causal", "bool"])
+def test_scripted_grouped_query_attention(kind):
+    """SDPA's enable_gqa repeats each key/value head for the query heads that share it."""
+    torch.manual_seed(0)
+    keep = torch.tensor([[True] * 5 + [False] * 2, [True] * 7])
+    _scripted_grads_match_cpu(_GroupedAttention(kind), torch.randn(2, 7, 8), keep)
+
+
+class _RepeatInterleave(nn.Module):
+    """GPT-J's rotary embedding repeats each sine and cosine twice along the last dim."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+        self.dim = dim
+
+    def forward(self, x):
+        return torch.repeat_interleave(self.fc(x), 3, dim=self.dim)
+
+
+@pytest.mark.parametrize("dim", [-1, 0, None])
+def test_scripted_repeat_interleave(dim):
+    torch.manual_seed(0)
+    _scripted_grads_match_cpu(_RepeatInterleave(dim), torch.randn(2, 6))
+
+
+class _Stack(nn.Module):
+    """GPT-J's rotate_every_two: the negated odd and the even features stacked on a new last dim."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+        self.dim = dim
+
+    def forward(self, x):
+        h = self.fc(x)
+        return torch.stack((-h[:, 1::2], h[:, ::2], h[:, :3] * h[:, 3:]), dim=self.dim).flatten(-2)
+
+
+@pytest.mark.parametrize("dim", [-1, 0, 1])
+def test_scripted_stack(dim):
+    torch.manual_seed(0)
+    _scripted_grads_match_cpu(_Stack(dim), torch.randn(2, 6))
+
+
+class _ZooOps(nn.Module):
+    """Ops of the model zoo's forwards whose scripted gradients TVM has no rule for: Whisper's and
+    ConvBERT's 1-d convolutions (a depthwise one), MobileBERT's constant pads, ConvBERT's
+    unfold and torch.multiply (no lowering rule: recorded as PyTorch's decomposition), DeBERTa's
+    gather and repeat (relax.tile), Swin's adaptive average pool over tokens, wav2vec2's GroupNorm."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.fc = nn.Linear(6, 8)
+        self.kind = kind
+        self.conv = {"conv1d": nn.Conv1d(4, 6, 3, stride=2, padding=1, dilation=2),
+                     "depthwise": nn.Conv1d(4, 4, 3, padding=1, groups=4, bias=False)}.get(kind)
+        self.norm = nn.GroupNorm(4 if kind == "group_norm" else 2, 4) if kind.startswith("group_norm") else None
+        if self.norm is not None:  # not the identity affine
+            nn.init.normal_(self.norm.weight)
+            nn.init.normal_(self.norm.bias)
+
+    def forward(self, x):
+        h = self.fc(x)  # (2, 3, 8)
+        if self.conv is not None:
+            return self.conv(h.reshape(2, 4, 6))
+        if self.kind == "pad":
+            return torch.cat([F.pad(h[:, 1:], [0, 0, 0, 1], value=0.5), h, F.pad(h[:, :-1], [2, 1, 1, 0])], -1)
+        if self.kind == "unfold":
+            cols = F.unfold(h.transpose(1, 2).unsqueeze(-1), [3, 1], padding=[1, 0])
+            return torch.multiply(cols.transpose(1, 2).reshape(2, 3, 8, 3), h.unsqueeze(-1))
+        if self.kind == "group_norm":  # wav2vec2's feature encoder: a group per channel
+            return self.norm(h.reshape(2, 4, 6))
+        if self.kind == "group_norm_2d":
+            return self.norm(h.reshape(2, 4, 2, 3))
+        if self.kind == "pool1d":  # Swin's pool over its tokens, and uneven windows
+            return torch.cat([F.adaptive_avg_pool1d(h, 1), F.adaptive_avg_pool1d(h, 3)], -1)
+        if self.kind == "gather":
+            index = torch.tensor([[0, 7, 7], [1, 1, 2], [3, 0, 3]]).expand(2, 3, 3)
+            return torch.gather(h, -1, index)
+        return h.repeat(2, 1, 1, 3)
+
+
+@pytest.mark.parametrize("kind", ["conv1d", "depthwise", "pad", "unfold", "gather", "repeat", "pool1d",
+                                  "group_norm", "group_norm_2d"])
+def test_scripted_zoo_op_gradients_are_pytorchs(kind):
+    torch.manual_seed(0)
+    _scripted_grads_match_cpu(_ZooOps(kind), torch.randn(2, 3, 6))
+
+
+class _WhereScalar(nn.Module):
+    """GPT-Neo's causal mask: torch.where with a Python float branch (TorchScript records
+    aten::where.ScalarOther, which the lazy device never sees)."""
+
+    def __init__(self, which):
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+        self.which = which
+
+    def forward(self, x):
+        h = self.fc(x)
+        keep = h > 0
+        if self.which == "other":
+            return torch.where(keep, h, torch.finfo(h.dtype).min / 1e30)
+        if self.which == "self":
+            return torch.where(keep, 0.5, h)
+        return torch.where(keep, 1.5, -2.0) * h
+
+
+@pytest.mark.parametrize("which", ["other", "self", "both"])
+def test_scripted_where_with_a_scalar_branch(which):
+    torch.manual_seed(0)
+    _scripted_grads_match_cpu(_WhereScalar(which), torch.randn(3, 6))
 
 
 class _CastsAndMasks(nn.Module):

@@ -185,3 +185,35 @@ def test_unknown_capture_names_raise():
         jit.script(KwHead(), captures=("trace", "dynamo"))
     with pytest.raises(ValueError, match=r"\(\)"):
         jit.script(KwHead(), captures=())
+
+
+class HoldsModel(nn.Module):
+    """Names its body `model`, as Hugging Face's decoders do (`LlamaForCausalLM.model`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.model = nn.Sequential(nn.Linear(6, 5), nn.Tanh())
+        self.head = nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.head(self.model(x))
+
+
+def test_export_captures_a_model_with_a_submodule_named_model(dev):
+    """The capture's own wrapper must not shadow the model's submodules: torch.export looks up
+    `model.0.weight` through it."""
+    model, ref = _pair(HoldsModel)
+    model = jit.script(model.to(dev), captures=("export",))
+    x = torch.randn(4, 6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = model(x.to(dev))
+    ref_out = ref(x)
+    out.sum().backward()
+    ref_out.sum().backward()
+    lm.mark_step()
+    _close(out.detach().cpu(), ref_out.detach())
+    for p, q in zip(model.parameters(), ref.parameters()):
+        _close(p.grad.cpu(), q.grad)
+    assert metrics.counter_value("ratex::script_fwd.default") == 1
+    assert metrics.counter_value("ratex::script_bwd.default") == 1

@@ -170,7 +170,7 @@ def test_hf_tied_weights_stay_one_parameter(dev):
     assert len(list(model.parameters())) == len(list(_gpt2().parameters()))
 
 
-@pytest.mark.parametrize("name", ["gpt2", "bert"])
+@pytest.mark.parametrize("name", HF)
 def test_hf_scripted_with_keywords_trains_like_cpu(dev, name):
     """`ratex.jit.script(model)` called as Hugging Face models are called (keywords; no padding
     mask, which the forward reads into Python) is scripted, one program a step, and matches CPU."""

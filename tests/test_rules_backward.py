@@ -326,6 +326,16 @@ def test_replication_pad3d_autograd_of_a_strided_input():
 
 # ---- embedding --------------------------------------------------------------------------------
 @pytest.mark.usefixtures("tvm_kernels")
+@pytest.mark.parametrize("shape,dim", [((6, 4, 3), 2), ((6, 4, 3), 0), ((5, 7), 1)])
+def test_weight_norm_backward(shape, dim):
+    """wav2vec2's position embedding: a convolution whose weight is weight-normed over its last dim."""
+    v = rnd(*shape)
+    g = rnd(*[n if d == dim else 1 for d, n in enumerate(shape)])
+    check(lambda gw, v, g: aten._weight_norm_interface_backward.default(
+        gw, v, g, aten._weight_norm_interface.default(v, g, dim)[1], dim), rnd(*shape), v, g,
+        ops=["_weight_norm_interface_backward.default"])
+
+
 def test_embedding_dense_backward():
     idx = torch.tensor([[1, 3, 1], [0, 3, 4]])
     g = rnd(2, 3, 4)

@@ -91,6 +91,93 @@ def _ints(expr):
     return [int(f.value) if hasattr(f, "value") else int(f) for f in fields]
 
 
+@_register("relax.stack")
+def _stack_grad(orig_var, orig_call, output_grad, bb):
+    # The gradient of each stacked tensor is its slice of the output's: split along the new axis
+    # (GPT-J's rotary embedding stacks the rotated halves).
+    n = len(orig_call.args[0].ty.fields)
+    axis = int(orig_call.attrs.axis) % len(_shape(orig_var))
+    parts = bb.normalize(op.split(output_grad, n, axis))
+    return [relax.Tuple([op.squeeze(relax.TupleGetItem(parts, i), [axis]) for i in range(n)])]
+
+
+@_register("relax.tile")
+def _tile_grad(orig_var, orig_call, output_grad, bb):
+    # The sum of the gradients of every copy: the output read as (copies, size) per dim, summed
+    # over the copies (DeBERTa repeats its relative positions per head).
+    x = orig_call.args[0]
+    shape, reps = _shape(x), [int(r) for r in orig_call.attrs.repeats]
+    nd = max(len(shape), len(reps))
+    full, reps = [1] * (nd - len(shape)) + shape, [1] * (nd - len(reps)) + reps
+    g = op.reshape(output_grad, [v for r, n in zip(reps, full) for v in (r, n)])
+    return [op.reshape(op.sum(g, axis=[2 * d for d in range(nd)]), shape)]
+
+
+@_register("relax.gather_elements")
+def _gather_elements_grad(orig_var, orig_call, output_grad, bb):
+    # Each gathered element's gradient added back where it was read (DeBERTa's relative-position
+    # scores), duplicates accumulating. TVM's scatter kernel walks each fiber along the axis
+    # serially, but reads the indices' other dims as the data's: they must be the same sizes.
+    x, indices = orig_call.args
+    axis = int(orig_call.attrs.axis) % len(_shape(x))
+    xs, ids = _shape(x), _shape(indices)
+    if [n for d, n in enumerate(xs) if d != axis] != [n for d, n in enumerate(ids) if d != axis]:
+        raise NotImplementedError(f"gradient of gather_elements of {xs} at indices {ids} along axis {axis}")
+    zeros = op.zeros(x.ty.shape, _dtype(x))
+    return [op.scatter_elements(zeros, indices, output_grad, axis, reduction="add"), op.grad.no_grad(indices)]
+
+
+@_register("relax.nn.conv1d")
+def _conv1d_grad(orig_var, orig_call, output_grad, bb):
+    # Whisper's and ConvBERT's 1-d convolutions (a depthwise one among them).
+    a = orig_call.attrs
+    if (str(a.data_layout), str(a.kernel_layout), str(a.out_layout)) != ("NCW", "OIW", "NCW"):
+        raise NotImplementedError(f"gradient of conv1d with layouts {a.data_layout}, {a.kernel_layout}")
+    x, w = orig_call.args
+    (stride,), (dilation,), (left, right) = ([int(v) for v in vs] for vs in (a.strides, a.dilation, a.padding))
+    groups = int(a.groups)
+    n, c, size = _shape(x)
+    o, _, k = _shape(w)
+    length = _shape(orig_var)[2]
+    # The input's gradient: the transposed convolution of g, cropped to the input's length
+    # (the crop at the end given as padding, and zeros past the last window's reach:
+    # Relax's output padding must stay below the stride).
+    full = (length - 1) * stride + dilation * (k - 1) + 1
+    after = max(full - left - size, 0)
+    dx = bb.normalize(op.nn.conv1d_transpose(output_grad, w, strides=stride, padding=(left, after),
+                                             dilation=dilation, groups=groups))
+    short = size - _shape(dx)[2]
+    if short:
+        dx = op.nn.pad(dx, [0, 0, 0, 0, 0, short])
+    # The weight's gradient: a convolution of the input (channels as the batch, per group) with g
+    # as the kernel, strides and dilation swapped, in 2-d over height-1 images, as TVM's conv2d rule.
+    data = op.expand_dims(x, 2)
+    if groups != 1:
+        data = op.reshape(op.permute_dims(op.reshape(data, (n, groups, c // groups, 1, size)), [1, 0, 2, 3, 4]),
+                          (groups * n, c // groups, 1, size))
+    dw = bb.normalize(op.nn.conv2d(data, op.expand_dims(output_grad, 2), strides=(1, dilation),
+                                   padding=(0, left, 0, right), dilation=(1, stride), groups=groups,
+                                   data_layout="CNHW", kernel_layout="IOHW", out_layout="CNHW"))
+    if _shape(dw)[3] > k:
+        dw = op.strided_slice(dw, [3], [0], [k])
+    return [dx, op.reshape(dw, [o, c // groups, k])]
+
+
+@_register("relax.nn.pad")
+def _pad_grad(orig_var, orig_call, output_grad, bb):
+    # A constant pad's gradient is the output's gradient where the input sits (MobileBERT's and
+    # ConvBERT's shifted copies of the sequence). Reflected or replicated borders would add up
+    # several outputs' gradients in one input element: no rule for them.
+    x = orig_call.args[0]
+    widths = [int(w) for w in orig_call.attrs.pad_width]
+    if str(orig_call.attrs.pad_mode) != "constant" or min(widths) < 0:
+        raise NotImplementedError(f"gradient of a {orig_call.attrs.pad_mode} pad with widths {widths}")
+    shape = _shape(x)
+    axes = list(range(len(shape)))
+    begins = [widths[2 * a] for a in axes]
+    return [op.strided_slice(output_grad, axes, begins, [b + n for b, n in zip(begins, shape)])]
+
+
 @_register("relax.strided_slice")
 def _strided_slice_grad(orig_var, orig_call, output_grad, bb):
     """Put the gradient back where the slice came from: interleave zeros for steps, pad around."""
@@ -198,6 +285,33 @@ def _layer_norm_grad(orig_var, orig_call, output_grad, bb):
     return [dx, _fit(bb, dgamma, gamma), _fit(bb, dbeta, beta)]
 
 
+@_register("relax.nn.group_norm")
+def _group_norm_grad(orig_var, orig_call, output_grad, bb):
+    # Layer norm's gradient within each group (wav2vec2's feature encoder): the channel axis split
+    # into (groups, channels per group), normalized over the latter and `axes`.
+    x, gamma, beta = orig_call.args
+    a = orig_call.attrs
+    shape = _shape(x)
+    nd, ca, groups = len(shape), int(a.channel_axis) % len(shape), int(a.num_groups)
+    c = shape[ca]
+    grouped = shape[:ca] + [groups, c // groups] + shape[ca + 1:]
+    axes = [ca + 1] + [d + 1 if d > ca else d for d in (int(v) % nd for v in a.axes)]
+    eps = float(a.epsilon)
+    xg = bb.normalize(op.reshape(x, grouped))
+    xc = bb.normalize(op.subtract(xg, op.mean(xg, axes, keepdims=True)))
+    rstd = bb.normalize(op.rsqrt(op.add(op.mean(op.multiply(xc, xc), axes, keepdims=True), _const(eps, x))))
+    xhat = bb.normalize(op.multiply(xc, rstd))
+    go = bb.normalize(op.reshape(output_grad, grouped))
+    per_channel = [1] * ca + [groups, c // groups] + [1] * (nd - ca - 1)
+    g = bb.normalize(op.multiply(go, op.reshape(gamma, per_channel))) if a.scale else go
+    dx = op.multiply(rstd, op.subtract(op.subtract(g, op.mean(g, axes, keepdims=True)),
+                                       op.multiply(xhat, op.mean(op.multiply(g, xhat), axes, keepdims=True))))
+    others = [d for d in range(nd) if d != ca]
+    dgamma = op.sum(op.multiply(output_grad, op.reshape(xhat, shape)), others) if a.scale else op.zeros_like(gamma)
+    dbeta = op.sum(output_grad, others) if a.center else op.zeros_like(beta)
+    return [op.reshape(dx, shape), dgamma, dbeta]
+
+
 def attention_probs(bb, q, k, v, attrs):
     """(qt, kt, vt, p) for attention(q, k, v) of relax.nn.attention's (batch, seq, head, dim)
     layout: q, k, v as (batch, head, seq, dim) and p = softmax(q k^T * scale [+ causal mask]).
@@ -277,6 +391,38 @@ def _matmul_grad(orig_var, orig_call, output_grad, bb):
     return [op.matmul(output_grad, op.permute_dims(b, [1, 0])), op.matmul(op.permute_dims(a2, [1, 0]), g2)]
 
 
+@register_gradient("relax.where", level=11)  # overrides TVM's, which leaves a broadcast branch's gradient broadcast
+def _where_grad(orig_var, orig_call, output_grad, bb):
+    # T5's attention mask: where(mask (1, h, q, k), scores (b, h, q, k), -inf); each branch's
+    # gradient is summed back over the dims it was broadcast along.
+    cond, x, y = orig_call.args
+    zero = _const(0, orig_var)
+    return [op.grad.no_grad(cond), _fit(bb, op.where(cond, output_grad, zero), x),
+            _fit(bb, op.where(cond, zero, output_grad), y)]
+
+
+@register_gradient("relax.maximum", level=11)  # overrides TVM's, which gives a tie's gradient to x alone
+def _maximum_grad(orig_var, orig_call, output_grad, bb):
+    return _extremum_grad(orig_call, output_grad, bb, op.less)
+
+
+@register_gradient("relax.minimum", level=11)
+def _minimum_grad(orig_var, orig_call, output_grad, bb):
+    return _extremum_grad(orig_call, output_grad, bb, op.greater)
+
+
+def _extremum_grad(orig_call, output_grad, bb, loses):
+    # PyTorch's maximum/minimum backward: where(x == y, g / 2, g), zeroed where the operand
+    # loses (so g / 2 to each at a tie, and g to both where a NaN makes every comparison false).
+    x, y = orig_call.args
+    half = bb.normalize(op.multiply(output_grad, _const(0.5, output_grad)))
+    zero = _const(0, output_grad)
+    tie = bb.normalize(op.equal(x, y))
+    gx = op.where(tie, half, op.where(loses(x, y), zero, output_grad))
+    gy = op.where(tie, half, op.where(loses(y, x), zero, output_grad))
+    return [_fit(bb, gx, x), _fit(bb, gy, y)]
+
+
 @register_gradient("relax.take", level=11)  # overrides TVM's, whose kernel needs 1-d indices
 def _take_grad(orig_var, orig_call, output_grad, bb):
     x, indices = orig_call.args[0], orig_call.args[1]
@@ -351,6 +497,18 @@ def _adaptive_avg_pool2d_grad(orig_var, orig_call, output_grad, bb):
     area = np.outer(spread_h.sum(0), spread_w.sum(0)).astype(_dtype(x))
     scaled = op.divide(output_grad, relax.const(area))
     return [op.matmul(op.matmul(relax.const(spread_h), scaled), relax.const(np.ascontiguousarray(spread_w.T)))]
+
+
+@_register("relax.nn.adaptive_avg_pool1d")
+def _adaptive_avg_pool1d_grad(orig_var, orig_call, output_grad, bb):
+    # As the 2-d rule, along one dim: (g / window size) @ S^T (Swin's final pool over tokens).
+    a = orig_call.attrs
+    x = orig_call.args[0]
+    if str(a.layout) != "NCW" or str(a.out_layout) != "NCW":
+        raise NotImplementedError("gradient of adaptive_avg_pool1d other than NCW")
+    spread = _adaptive_spread(_shape(x)[2], _shape(orig_var)[2], _dtype(x))
+    scaled = op.divide(output_grad, relax.const(spread.sum(0)))
+    return [op.matmul(scaled, relax.const(np.ascontiguousarray(spread.T)))]
 
 
 def _adaptive_spread(size, outs, dtype):

@@ -13,6 +13,11 @@ the model's own, then the new values of the buffers the forward writes. Each cal
   unscripted one does, and the random bits stay outside the differentiated function);
 - scaled_dot_product_attention with a mask or dropout becomes matmul, softmax, matmul, the
   way PyTorch's math kernel computes it (a fully masked row gives 0, not NaN);
+  grouped-query attention (enable_gqa) repeats each key/value head for its query heads first;
+- repeat_interleave with an int count is unsqueeze, expand and reshape;
+- an op with no lowering rule is recorded as PyTorch's decomposition of it (torch._decomp's, else
+  its CompositeImplicitAutograd kernel: aliases such as aten::multiply, unfold's im2col), the ops
+  the lazy device records for it;
 - `aten::to` is a cast or nothing (a program's tensors share one device);
 - export's functional writes through views: `fill.Tensor` and `copy` are the value broadcast
   to the shape, `select_scatter` and `slice_scatter` the slices around the source, concatenated;
@@ -22,13 +27,15 @@ import operator
 import threading
 
 import torch
+import torch._decomp
 import tvm
 from torch import fx
 from torch.utils import _pytree as pytree
 from tvm import relax
 
 from . import autodiff
-from .importer import import_graph
+from .importer import has_rule, import_graph
+from .ops import SCRIPT_RULES
 from .ops.bounds import SITE
 
 aten = torch.ops.aten
@@ -85,6 +92,26 @@ def _meta(shape, dtype):
 
 def _val(x):
     return x.meta["val"] if isinstance(x, fx.Node) else x
+
+
+# Decompositions that compute something else than their ATen op (ratex/core/tracing/torch_decomp.py
+# runs these eagerly on the lazy device): a script refuses them.
+_WRONG_DECOMPOSITIONS = frozenset((aten.multilabel_margin_loss_forward.default,))
+
+
+def _decomposition(op):
+    """PyTorch's decomposition of `op` where it has no lowering rule (None where it has one, or no
+    decomposition): torch._decomp's, else its CompositeImplicitAutograd kernel (an alias such as
+    aten::multiply, which only a captured graph holds). The lazy device records the same ops."""
+    name = op.__name__
+    if op in (aten.size.int, aten.size.default) or name in SCRIPT_RULES or has_rule(name):
+        return None
+    if torch.Tag.nondeterministic_seeded in op.tags or op in _WRONG_DECOMPOSITIONS:
+        return None
+    found = torch._decomp.decomposition_table.get(op)
+    if found is None and op.has_kernel_for_dispatch_key(torch._C.DispatchKey.CompositeImplicitAutograd):
+        found = op.decompose
+    return found
 
 
 def bind(op, args, kwargs) -> dict:
@@ -188,7 +215,76 @@ class Builder:
             return self._broadcast_to_self(op, args, kwargs)
         if op in (aten.select_scatter.default, aten.slice_scatter.default):
             return self._scatter(op, args, kwargs)
+        if op is aten.repeat_interleave.self_int:
+            a = bind(op, args, kwargs)
+            return self._repeat_interleave(a["self"], a["repeats"], a["dim"])
+        decomposition = _decomposition(op)
+        if decomposition is not None:
+            return self._decompose(op, decomposition, args, kwargs)
         return self.emit(op, args, kwargs)
+
+    def _decompose(self, op, decomposition, args, kwargs):
+        """`op` as PyTorch's `decomposition` of it, traced on the arguments' metas and recorded
+        call by call; its outputs must have the shapes and dtypes of the op's."""
+        from torch.fx.experimental.proxy_tensor import make_fx  # noqa: PLC0415
+
+        args, kwargs = pytree.tree_map(lambda x: self.const(x) if isinstance(x, torch.Tensor) else x,
+                                       (list(args), kwargs))
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        at = [i for i, x in enumerate(leaves) if isinstance(x, fx.Node)]
+
+        def run(*tensors):
+            values = list(leaves)
+            for i, t in zip(at, tensors):
+                values[i] = t
+            a, k = pytree.tree_unflatten(values, spec)
+            return decomposition(*a, **k)
+
+        meta_args, meta_kwargs = pytree.tree_map(_val, (args, kwargs))
+        try:
+            gm = make_fx(run)(*[leaves[i].meta["val"] for i in at])
+            want = op(*meta_args, **meta_kwargs)
+        except Exception as exc:
+            raise ConversionError(f"{op} has no lowering rule, and its decomposition does not trace: {exc}") from exc
+        got = [n.meta.get("val") for n in pytree.tree_leaves(list(gm.graph.nodes)[-1].args[0]) if isinstance(n, fx.Node)]
+        want = [t for t in pytree.tree_leaves(want) if isinstance(t, torch.Tensor)]
+        if [(tuple(t.shape), t.dtype) for t in got] != [(tuple(t.shape), t.dtype) for t in want]:
+            raise ConversionError(f"{op}'s decomposition computes other shapes or dtypes than the op")
+        env, nodes = {}, iter(leaves[i] for i in at)
+        for n in gm.graph.nodes:
+            if n.op == "placeholder":
+                env[n] = next(nodes)
+            elif n.op == "get_attr":  # a tensor the decomposition made
+                env[n] = self.const(getattr(gm, n.target))
+            elif n.op == "call_function":
+                a, k = fx.map_arg((n.args, n.kwargs), lambda m: env[m])
+                if n.target is operator.getitem:
+                    env[n] = a[0][a[1]]
+                elif isinstance(n.target, torch._ops.OpOverload) and n.target is not op:
+                    env[n] = self.call(n.target, list(a), dict(k))
+                else:
+                    raise ConversionError(f"{op}'s decomposition calls {n.target}")
+            elif n.op == "output":
+                return pytree.tree_map(lambda m: env[m] if isinstance(m, fx.Node) else m, n.args[0])
+        raise ConversionError(f"{op}'s decomposition returns nothing")
+
+    def _repeat_interleave(self, x, repeats, dim):
+        """repeat_interleave with an int count: each element `repeats` times in a row along `dim`
+        (the flattened input where dim is None), as unsqueeze, expand and reshape, which Relax's
+        Gradient differentiates (it has no rule for repeat)."""
+        if isinstance(x, torch.Tensor):
+            x = self.const(x)
+        if not isinstance(repeats, int) or repeats < 0:
+            raise ConversionError(f"repeat_interleave with repeats={repeats!r} (a count >= 0 is supported)")
+        if dim is None:
+            x, dim = self.emit(aten.reshape.default, [x, [-1]]), 0
+        shape = list(_val(x).shape)
+        if not shape:
+            x, shape = self.emit(aten.reshape.default, [x, [1]]), [1]
+        dim %= len(shape)
+        wide = shape[: dim + 1] + [repeats] + shape[dim + 1:]
+        spread = self.emit(aten.expand.default, [self.emit(aten.unsqueeze.default, [x, dim + 1]), wide])
+        return self.emit(aten.reshape.default, [spread, shape[:dim] + [shape[dim] * repeats] + shape[dim + 1:]])
 
     def _broadcast_to_self(self, op, args, kwargs):
         """fill(x, v) and copy(x, src), functional: the value in x's dtype, broadcast to x's shape."""
@@ -313,13 +409,13 @@ class Builder:
     def _attention(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                    enable_gqa=False):
         """SDPA as its math: softmax(q k^T * scale + mask) v, a fully masked row 0, dropout on the probabilities."""
+        if enable_gqa:
+            key, value = self._repeat_heads(query, key), self._repeat_heads(query, value)
         if attn_mask is None and dropout_p == 0:
             kwargs = {"is_causal": True} if is_causal else {}
             if scale is not None:
                 kwargs["scale"] = scale
             return self.emit(aten.scaled_dot_product_attention.default, [query, key, value], kwargs)
-        if enable_gqa:
-            raise ConversionError("scaled_dot_product_attention with enable_gqa and a mask or dropout")
         q, k = _val(query), _val(key)
         sq, sk = q.shape[-2], k.shape[-2]
         if scale is None:
@@ -348,6 +444,23 @@ class Builder:
         if dropout_p > 0:
             probs = self.dropout(probs, float(dropout_p))
         return e(aten.matmul.default, [probs, value])
+
+    def _repeat_heads(self, query, kv):
+        """Grouped-query attention's key or value with each head repeated for the query heads that
+        share it (SDPA's enable_gqa: repeat_interleave over dim -3)."""
+        if isinstance(kv, torch.Tensor):
+            kv = self.const(kv)
+        q, x = _val(query), _val(kv)
+        if q.dim() < 3 or x.dim() != q.dim():
+            raise ConversionError(f"scaled_dot_product_attention with enable_gqa: query {list(q.shape)}, "
+                                  f"key/value {list(x.shape)} (both need a head dim -3)")
+        hq, hkv = q.shape[-3], x.shape[-3]
+        if hq == hkv:
+            return kv
+        if hkv == 0 or hq % hkv:
+            raise ConversionError(f"scaled_dot_product_attention with enable_gqa: {hq} query heads are not a "
+                                  f"multiple of {hkv} key/value heads")
+        return self._repeat_interleave(kv, hq // hkv, -3)
 
     def _scalar(self, value, dtype):
         return self.emit(aten.scalar_tensor.default, [value], {"dtype": dtype})

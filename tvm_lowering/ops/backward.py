@@ -442,6 +442,24 @@ def native_layer_norm_backward(imp, node):
     return tuple_out(imp, node, grads)
 
 
+@rule("_weight_norm_interface_backward.default")
+def weight_norm_backward(imp, node):
+    """weight_norm's fused backward (wav2vec2's convolutional position embedding), ATen's formula:
+    with s the sum of grad_w * v over the dims but `dim`, grad_g = s / norm and
+    grad_v = (g / norm) * (grad_w - v * s / norm^2); half types in float32, rounded once."""
+    gw, v, g, norms = (env(imp, a) for a in node.args[:4])
+    dim, nd = arg(node, 4, "dim"), len(shape(v))
+    if dim not in (0, nd - 1):  # ATen's kernel takes no other (weight_norm computes the rest unfused)
+        raise NotImplementedError(f"_weight_norm_interface_backward over dim {dim} of a {nd}-d weight")
+    dts = (dtype(v), dtype(g))
+    acc = "float32" if dtype(v) in ("float16", "bfloat16") else dtype(v)
+    gw, v, g, norms = (cast(imp, t, acc) for t in (gw, v, g, norms))
+    s = emit(imp, op.sum(op.multiply(gw, v), axis=[d for d in range(nd) if d != dim], keepdims=True))
+    gg = op.divide(s, norms)
+    gv = op.multiply(op.divide(g, norms), op.subtract(gw, op.multiply(v, op.divide(s, op.multiply(norms, norms)))))
+    return tuple_out(imp, node, [to_dtype(imp, emit(imp, x), dt) for x, dt in zip((gv, gg), dts)])
+
+
 @rule("native_batch_norm_backward.default")
 def native_batch_norm_backward(imp, node):
     go = env(imp, node.args[0])

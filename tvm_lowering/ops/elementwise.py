@@ -118,9 +118,10 @@ def right_shift(imp, node):
     return imp.block_builder.emit(relax.op.right_shift(x, amount))
 
 
-@rule("where.self")
+@rule("where.self", "where.ScalarOther", "where.ScalarSelf", "where.Scalar")
 def where(imp, node):
-    """The branches promoted to the output dtype first (TVM's rule needs them equal)."""
+    """The branches promoted to the output dtype first (TVM's rule needs them equal); a scalar branch
+    (TorchScript records where.ScalarOther) is a constant of that dtype."""
     _, dt = out_meta(node)
     cond = env(imp, node.args[0])
     branches = [cast(imp, env(imp, b), dt) if isinstance(b, torch.fx.Node) else relax.const(b, dt)
