@@ -143,14 +143,15 @@ class CompileCache:
 
     # ---- compiling --------------------------------------------------------------------
     def build(self, mod: tvm.IRModule, target: Target, options: Options, donate=(), on_tune=None,
-              dump=None) -> Built:
+              dump=None, jit: bool = True) -> Built:
         """Compile `mod` for `target` (pipeline.build); with a tuner, its kernels are tuned first
         (`on_tune`: see Tuner.pass_) or given their records. `dump(mod, donated)`, the IR dump
-        hook, sees each module compiled."""
+        hook, sees each module compiled. `jit`: the executable runs in this process (False: it
+        is `store`d and loaded back instead)."""
         donated = []
         report = tuning.Report()
         kernel_pass = self.tuner.pass_(report, on_tune) if self.tuner is not None else None
-        executable = pipeline.build(mod, target, options, donate, donated, kernel_pass)
+        executable = pipeline.build(mod, target, options, donate, donated, kernel_pass, jit)
         if dump is not None:
             dump(mod, donated)
         return Built(executable, tuple(donated), report)

@@ -2,7 +2,7 @@
 import tvm
 from tvm import relax
 
-from . import cuda_graph, inplace
+from . import codegen, cuda_graph, inplace
 from .library_dispatch import library_dispatch_pass
 from .simplify import expand_attention, fold_transposes
 from .targets import Options, Target, resolve_target  # noqa: F401  (resolve_target: imported from here too)
@@ -52,7 +52,7 @@ def _passes(target: Target, options: Options, donate=(), donated=None, kernel_pa
 
 
 def build(mod: tvm.IRModule, target: Target, options: Options = Options(), donate=(), donated=None,
-          kernel_pass=None):
+          kernel_pass=None, jit: bool = True):
     """Compile `mod` with fusion (FuseOps/FuseTIR) for `target`; return a tvm executable.
 
     With `options.library`, conv2d/conv2d_transpose/matmul left in the module
@@ -60,11 +60,13 @@ def build(mod: tvm.IRModule, target: Target, options: Options = Options(), donat
     those of fewer than `options.library_min_macs` multiply-adds excepted.
     `donate`: (input, output) index pairs of `main` where the output may be
     written into the input's buffer; those that were safe are appended to `donated`.
-    `kernel_pass` (tunable targets): the tuning pass (tuning.py).
+    `kernel_pass` (tunable targets): the tuning pass (tuning.py). `jit`: the executable will
+    run in this process (not be exported), so its kernels' machine code is made now, on the
+    threads that build them (codegen.py).
     """
     pipeline = tvm.transform.Sequential(_passes(target, options, donate, donated, kernel_pass))
     with target.tvm:
-        return tvm.compile(mod, target=target.tvm, relax_pipeline=pipeline)
+        return codegen.link(pipeline(mod), target.tvm, jit)
 
 
 def memory_plan(mod: tvm.IRModule, target: Target, options: Options = Options(), donate=()) -> dict:

@@ -205,11 +205,11 @@ def _compile(graph: Graph, key, donate: tuple, aliasing: bool) -> Program:
     _attach(be)
     dev = be.target.device()
     dump = functools.partial(_save_ir, graph) if config.SAVE_IR else None
+    # Making the kernels' machine code in memory (JIT) costs about as much as the rest of the
+    # build. With a persistent cache the library is exported (linked) once and loaded instead.
+    persists = CACHE.persists(key, options)
     with metrics.timed("CompileTime"):
-        built = CACHE.build(mod, be.target, options, donate, on_tune=tuning_progress, dump=dump)
-        # Making the VM JIT-links the code in memory, which costs about as much as the build.
-        # With a persistent cache the library is exported (linked) once and loaded instead.
-        persists = CACHE.persists(key, options)
+        built = CACHE.build(mod, be.target, options, donate, on_tune=tuning_progress, dump=dump, jit=not persists)
         program = None if persists else Program(built.executable, mod, dev, donate, constant_roots(graph), aliasing)
     if built.donated:
         metrics.counter_inc("DonatedBuffers", len(built.donated))

@@ -1,0 +1,145 @@
+"""Machine code for a program's kernels: built on several threads, without the argument checks
+that cannot fail.
+
+TVM's LLVM code generation builds one module on one thread, and most of a cold compile is spent
+there. A program's kernels are independent functions, so they are split into one module per
+available core, each built (and, for a program that runs in this process, JIT-compiled) on a
+thread of its own; TVM releases the GIL while it generates code. The first module imports the
+others, where the VM finds every kernel by name.
+
+Every kernel is a packed function whose prologue checks each argument (count, type, ndim, dtype,
+device, shape, strides, offset) and builds an error message for each check: most of a small
+kernel's LLVM IR, and of the time LLVM spends on it. A ratex program calls its kernels only from
+its own VM: each intermediate it passes was allocated by the VM with the kernel's shape and
+dtype, and the VM checks the ndim, dtype and shape of `main`'s inputs before any kernel runs.
+`trim_argument_checks` drops the checks the VM already makes or that its calls cannot fail, and
+keeps those it does not make (compact strides, zero byte offset, device type) and every check
+it does not know.
+"""
+import concurrent.futures
+import os
+
+import tvm
+from tvm import relax, tirx
+from tvm.relax import vm_build
+
+# Messages of the prologue checks that a call from the VM cannot fail (see the module doc).
+_REDUNDANT = (
+    "Expected ",  # the argument count
+    "args pointer is NULL",
+    "Mismatched type on argument #",  # an FFI object that is not a tensor
+    ".ndim on argument #",
+    ".dtype on argument #",
+    "data pointer is NULL on argument #",
+    ".device_id",  # two arguments on different devices of the same type
+    ".shape[",
+)
+_NOTHING = tirx.Evaluate(0)
+PIPELINE = "ratex"  # the TIR pipeline: TVM's default, then trim_argument_checks
+
+
+def _text(assert_stmt) -> str:
+    return "".join(str(getattr(p, "value", p)) for p in assert_stmt.message_parts)
+
+
+def _trim(stmt):
+    """`stmt` without the redundant checks outside the kernel's body (the compute scope); None if
+    nothing is left of it."""
+    kind = type(stmt)
+    if kind is tirx.AssertStmt:
+        return None if any(m in _text(stmt) for m in _REDUNDANT) else stmt
+    if kind is tirx.SeqStmt:
+        kept = [s for s in (_trim(s) for s in stmt.seq) if s is not None]
+        return tirx.SeqStmt(kept) if len(kept) > 1 else (kept[0] if kept else None)
+    if kind is tirx.AttrStmt and stmt.attr_key != "compute_scope":
+        body = _trim(stmt.body)
+        return tirx.AttrStmt(stmt.node, stmt.attr_key, stmt.value, body if body is not None else _NOTHING)
+    if kind is tirx.IfThenElse and stmt.else_case is None:
+        then = _trim(stmt.then_case)
+        return None if then is None else tirx.IfThenElse(stmt.condition, then, None)
+    return stmt
+
+
+@tvm.transform.module_pass(opt_level=0, name="RatexTrimArgumentChecks")
+def trim_argument_checks(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+    """Drop the argument checks of packed kernels (after MakePackedAPI) that a VM's call cannot fail."""
+    funcs = {}
+    for gv, func in mod.functions.items():
+        if isinstance(func, tirx.PrimFunc) and func.attrs is not None and int(func.attrs.get("calling_conv", 0)) == 1:
+            body = _trim(func.body)
+            func = func.with_body(body if body is not None else _NOTHING)
+        funcs[gv] = func
+    return tvm.IRModule(funcs, attrs=mod.attrs)
+
+
+def _pipeline():
+    passes, finalize_host, finalize_device = tvm.tirx.get_tir_pipeline("default")
+    return tvm.transform.Sequential([passes, trim_argument_checks]), finalize_host, finalize_device
+
+
+tvm.tirx.compilation_pipeline.register_tir_pipeline(PIPELINE, _pipeline)
+
+
+def cores() -> int:
+    """Return how many cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def _shards(mod: tvm.IRModule, count: int) -> list:
+    """Split the functions of `mod` into up to `count` modules of about equal work: the largest
+    first, each to the module with the least so far (a kernel's parameters stand for its size)."""
+    funcs = sorted(mod.functions.items(), key=lambda gf: (-len(gf[1].params), gf[0].name_hint))
+    loads = [[0, {}] for _ in range(min(count, len(funcs)))]
+    for gv, func in funcs:
+        least = min(loads, key=lambda load: load[0])
+        least[0] += 4 + len(func.params)
+        least[1][gv] = func
+    return [tvm.IRModule(funcs, attrs=mod.attrs) for _, funcs in loads]
+
+
+def build_kernels(mod: tvm.IRModule, target: tvm.target.Target, jit: bool, threads: int = 0):
+    """Return the runtime module of the kernels (PrimFuncs) in `mod` for `target`, built on
+    `threads` threads (0: one per core); with `jit`, their machine code is made too (it is
+    otherwise made when a VM first looks a kernel up, on one thread)."""
+    if target.kind.name != "llvm":
+        return tvm.tirx.build(mod, target=target)
+    ctx = tvm.transform.PassContext.current()  # thread-local in TVM: each worker enters it again
+
+    def build(shard):
+        with ctx:
+            lib = tvm.tirx.build(shard, target=target, pipeline=PIPELINE)
+        if jit:
+            for gv in shard.get_global_vars():
+                lib.get_function(gv.name_hint)
+        return lib
+
+    shards = _shards(mod, threads or cores())
+    if len(shards) < 2:
+        return build(mod)
+    with concurrent.futures.ThreadPoolExecutor(len(shards), thread_name_prefix="ratex-codegen") as pool:
+        libs = list(pool.map(build, shards))
+    for lib in libs[1:]:
+        libs[0].import_module(lib)
+    return libs[0]
+
+
+def link(mod: tvm.IRModule, target: tvm.target.Target, jit: bool = True, threads: int = 0):
+    """Return the VM executable of `mod`, a Relax module through its pass pipeline (what
+    `tvm.compile` does after the pipeline, with the kernels built by `build_kernels`)."""
+    attrs = dict(mod.attrs) if mod.attrs else {}
+    ext_libs = list(attrs.get("external_mods", []))
+    params = dict(attrs.get("const_name_to_constant", {}))
+    builder = relax.ExecBuilder()
+    mod = vm_build._vmcodegen(builder, mod, "bytecode")
+    tir_mod = vm_build._filter_tir(mod)
+    lib = None
+    if tir_mod is not None and tir_mod.get_global_vars():
+        lib = build_kernels(vm_build._auto_attach_system_lib_prefix(tir_mod, target), target, jit, threads)
+    device_libs = [m for m in ext_libs if vm_build._is_device_module(m)]
+    host_libs = [m for m in ext_libs if not vm_build._is_device_module(m)]
+    if lib is not None:
+        for m in device_libs:
+            lib.import_module(m)
+    elif device_libs:
+        raise ValueError("device modules without kernels to import them")
+    return vm_build.VMExecutable(vm_build._ffi_api.VMLink(builder, target, lib, host_libs, params))
