@@ -3,6 +3,7 @@ import tvm
 from tvm import relax
 
 from . import codegen, cuda_graph, inplace
+from .legalize import legalize_ops
 from .library_dispatch import library_dispatch_pass
 from .simplify import expand_attention, fold_transposes
 from .targets import Options, Target, resolve_target  # noqa: F401  (resolve_target: imported from here too)
@@ -16,7 +17,7 @@ def _stages(target: Target, options: Options, donate=(), donated=None, kernel_pa
     stages = target.stages()
     donated = donated if donated is not None else []
     legalize = stages.legalize_passes(target.tvm)
-    legalize.insert(0, relax.transform.LegalizeOps(dict(target.legalize)))
+    legalize.insert(0, legalize_ops(target.legalize))
     if kernel_pass is not None:
         legalize.append(kernel_pass)
     if options.schedule and target.schedule is not None:
