@@ -16,10 +16,14 @@ dtype, and the VM checks the ndim, dtype and shape of `main`'s inputs before any
 keeps those it does not make (compact strides, zero byte offset, device type) and every check
 it does not know.
 """
+import collections
 import concurrent.futures
+import itertools
 import os
+import threading
 
 import tvm
+import tvm_ffi
 from tvm import relax, tirx
 from tvm.relax import vm_build
 
@@ -100,12 +104,9 @@ def _shards(mod: tvm.IRModule, count: int) -> list:
     return [tvm.IRModule(funcs, attrs=mod.attrs) for _, funcs in loads]
 
 
-def build_kernels(mod: tvm.IRModule, target: tvm.target.Target, jit: bool, threads: int = 0):
-    """Return the runtime module of the kernels (PrimFuncs) in `mod` for `target`, built on
-    `threads` threads (0: one per core); with `jit`, their machine code is made too (it is
-    otherwise made when a VM first looks a kernel up, on one thread)."""
-    if target.kind.name != "llvm":
-        return tvm.tirx.build(mod, target=target)
+def _build_shards(mod: tvm.IRModule, target: tvm.target.Target, jit: bool, threads: int) -> list:
+    """Build the kernels of `mod` (an llvm target's) into one runtime module per shard, on a
+    thread each; with `jit`, each module's machine code is made on its thread too."""
     ctx = tvm.transform.PassContext.current()  # thread-local in TVM: each worker enters it again
 
     def build(shard):
@@ -118,28 +119,150 @@ def build_kernels(mod: tvm.IRModule, target: tvm.target.Target, jit: bool, threa
 
     shards = _shards(mod, threads or cores())
     if len(shards) < 2:
-        return build(mod)
+        return [(mod, build(mod))]
     with concurrent.futures.ThreadPoolExecutor(len(shards), thread_name_prefix="ratex-codegen") as pool:
-        libs = list(pool.map(build, shards))
+        return list(zip(shards, pool.map(build, shards)))
+
+
+def build_kernels(mod: tvm.IRModule, target: tvm.target.Target, jit: bool, threads: int = 0):
+    """Return the runtime module of the kernels (PrimFuncs) in `mod` for `target`, built on
+    `threads` threads (0: one per core); with `jit`, their machine code is made too (it is
+    otherwise made when a VM first looks a kernel up, on one thread)."""
+    if target.kind.name != "llvm":
+        return tvm.tirx.build(mod, target=target)
+    libs = [lib for _, lib in _build_shards(mod, target, jit, threads)]
     for lib in libs[1:]:
         libs[0].import_module(lib)
     return libs[0]
 
 
+class KernelCache:
+    """The kernels built in this process, by content, for the programs that run here.
+
+    Programs share kernels (a training step and the forward that ran before it; the samples
+    of a module sweep): a kernel built once is found again by structure and its machine code
+    reused. A program's VM finds its kernels by name in every module it imports, so a kernel
+    that may be shared is named by its content (its name, then its structural hash), and a
+    name is given to one kernel only, ever, in every module that holds it. Kernels of an
+    exported program (the disk cache) are neither looked up nor kept: its library must hold
+    them all. At most `capacity` kernels are kept, the least recently used dropped first.
+    """
+
+    def __init__(self, capacity: int = 4096):
+        self.capacity = capacity
+        self._entries = collections.OrderedDict()  # name -> [kernel, key, runtime module or None]
+        self._by_key = {}  # (target, pass config, structural hash) -> names
+        self._issued = set()  # every name given out: none is given to a second kernel
+        self._unique = itertools.count()
+        self._lock = threading.Lock()
+
+    def name(self, mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule:
+        """`mod` (a Relax module through its pipeline) with every kernel named by its content."""
+        where = (str(target), str(tvm.transform.PassContext.current().config))
+        funcs, taken = {}, set()
+        with self._lock:
+            for gv, func in mod.functions.items():
+                if isinstance(func, tirx.PrimFunc):
+                    name = self._name(func.without_attr("global_symbol"), gv.name_hint, where)
+                    if name in taken:  # the same kernel twice in one module: the second is a kernel of its own
+                        name = self._fresh(name)
+                    taken.add(name)
+                    func = func.with_attr("global_symbol", name)
+                funcs[gv] = func
+        return relax.transform.NormalizeGlobalVar()(tvm.IRModule(funcs, attrs=mod.attrs))
+
+    def _fresh(self, name: str) -> str:
+        """`name`, or where it was given out before, `name` with a suffix that never was."""
+        given = name
+        while given in self._issued:
+            given = f"{name}_u{next(self._unique)}"
+        self._issued.add(given)
+        return given
+
+    def _name(self, func, base: str, where: tuple) -> str:
+        key = (*where, tvm_ffi.structural_hash(func) & (1 << 64) - 1)
+        names = self._by_key.setdefault(key, [])
+        for name in names:
+            if tvm_ffi.structural_equal(self._entries[name][0], func):
+                self._entries.move_to_end(name)
+                return name
+        name = self._fresh(f"{base}_{key[-1]:016x}")
+        names.append(name)
+        self._entries[name] = [func, key, None]
+        return name
+
+    def split(self, mod: tvm.IRModule) -> tuple:
+        """(the kernels of `mod` not built yet, the distinct modules holding the others)."""
+        fresh, held = {}, {}
+        with self._lock:
+            for gv, func in mod.functions.items():
+                entry = self._entries.get(gv.name_hint)
+                if entry is None or entry[2] is None:
+                    fresh[gv] = func
+                else:
+                    held.setdefault(id(entry[2]), entry[2])
+        return tvm.IRModule(fresh, attrs=mod.attrs), list(held.values())
+
+    def add(self, shard: tvm.IRModule, lib):
+        """Remember that runtime module `lib` holds the kernels of `shard`."""
+        with self._lock:
+            for gv in shard.get_global_vars():
+                entry = self._entries.get(gv.name_hint)
+                if entry is not None:
+                    entry[2] = lib
+            while len(self._entries) > self.capacity:
+                name, (_, key, _) = self._entries.popitem(last=False)
+                self._by_key[key].remove(name)
+                if not self._by_key[key]:
+                    del self._by_key[key]
+
+    def __len__(self):
+        return sum(entry[2] is not None for entry in self._entries.values())
+
+    def clear(self):
+        """Forget every kernel (the names given out stay taken)."""
+        with self._lock:
+            self._entries.clear()
+            self._by_key.clear()
+
+
+KERNELS = KernelCache()
+
+
 def link(mod: tvm.IRModule, target: tvm.target.Target, jit: bool = True, threads: int = 0):
     """Return the VM executable of `mod`, a Relax module through its pass pipeline (what
-    `tvm.compile` does after the pipeline, with the kernels built by `build_kernels`)."""
+    `tvm.compile` does after the pipeline, with the kernels built by `build_kernels`). With
+    `jit` (the program runs in this process) on an llvm target, kernels are shared with the
+    other programs of the process (KERNELS)."""
     attrs = dict(mod.attrs) if mod.attrs else {}
     ext_libs = list(attrs.get("external_mods", []))
     params = dict(attrs.get("const_name_to_constant", {}))
+    device_libs = [m for m in ext_libs if vm_build._is_device_module(m)]
+    host_libs = [m for m in ext_libs if not vm_build._is_device_module(m)]
+    shared = jit and target.kind.name == "llvm" and not device_libs
+    if shared:
+        mod = KERNELS.name(mod, target)
     builder = relax.ExecBuilder()
     mod = vm_build._vmcodegen(builder, mod, "bytecode")
     tir_mod = vm_build._filter_tir(mod)
+    if tir_mod is not None and not tir_mod.get_global_vars():
+        tir_mod = None
+    if shared:
+        kernels = []
+        if tir_mod is not None:
+            fresh, kernels = KERNELS.split(vm_build._auto_attach_system_lib_prefix(tir_mod, target))
+            if fresh.get_global_vars():
+                for shard, lib in _build_shards(fresh, target, jit, threads):
+                    KERNELS.add(shard, lib)
+                    kernels.append(lib)
+        # VMLink makes every module an import of the executable: a shared module is never
+        # changed. (Without a kernel module it links in an empty C module, which the VM then
+        # compiles and links with the system compiler.)
+        lib, rest = (kernels[0], kernels[1:]) if kernels else (None, [])
+        return vm_build.VMExecutable(vm_build._ffi_api.VMLink(builder, target, lib, rest + host_libs, params))
     lib = None
-    if tir_mod is not None and tir_mod.get_global_vars():
+    if tir_mod is not None:
         lib = build_kernels(vm_build._auto_attach_system_lib_prefix(tir_mod, target), target, jit, threads)
-    device_libs = [m for m in ext_libs if vm_build._is_device_module(m)]
-    host_libs = [m for m in ext_libs if not vm_build._is_device_module(m)]
     if lib is not None:
         for m in device_libs:
             lib.import_module(m)

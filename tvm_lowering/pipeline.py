@@ -2,7 +2,7 @@
 import tvm
 from tvm import relax
 
-from . import codegen, cuda_graph, inplace
+from . import codegen, cuda_graph, inplace, once
 from .legalize import legalize_ops
 from .library_dispatch import library_dispatch_pass
 from .simplify import expand_attention, fold_transposes
@@ -12,7 +12,7 @@ from .targets import Options, Target, resolve_target  # noqa: F401  (resolve_tar
 def _stages(target: Target, options: Options, donate=(), donated=None, kernel_pass=None) -> list:
     """TVM's pipeline for the target, with the target's legalization rules first, then tuning
     (`kernel_pass`, see tuning.py: it schedules kernels right after FuseTIR, before the default
-    schedules), the target's own schedules, buffer donation (see inplace.py) and, with
+    schedules), the target's own schedules (each distinct kernel's made once: once.py), buffer donation (see inplace.py) and, with
     `options.cuda_graph`, CUDA graphs (see cuda_graph.py)."""
     stages = target.stages()
     donated = donated if donated is not None else []
@@ -21,7 +21,7 @@ def _stages(target: Target, options: Options, donate=(), donated=None, kernel_pa
     if kernel_pass is not None:
         legalize.append(kernel_pass)
     if options.schedule and target.schedule is not None:
-        legalize.append(target.schedule())
+        legalize.append(once.SCHEDULES.wrap(target.schedule(), target.name))
     if donate:  # after fusion and scheduling: each op is a call_tir whose PrimFunc is final
         legalize.append(inplace.donate(donate, donated))
     finalize = stages.finalize_passes(target.tvm)
