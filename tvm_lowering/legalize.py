@@ -9,8 +9,12 @@ attributes, operand types, result type): the next such call gets a call_tir of t
 PrimFunc with its own operands. Only a legalization that came out as exactly that, a call_tir
 of a PrimFunc on the call's own operands in order, is reused; anything else (a composite, a
 kernel taking shape variables, operands dropped or reordered) is legalized anew every time.
+The PrimFuncs built are remembered for the modules compiled later in the process too (a
+training step's ops are mostly those of the step before it, or of the forward before that).
 """
+import collections
 import functools
+import threading
 
 import tvm
 import tvm_ffi
@@ -28,8 +32,38 @@ def _static(ty) -> bool:
     return values is not None and all(isinstance(v, tvm.tirx.IntImm) for v in values)
 
 
+class _Shared:
+    """The kernels legalizations built in this process, for the modules compiled after: (the
+    legalization, the target, a call's hash) -> [(signature, PrimFunc, name)], at most
+    `capacity` keys, the least recently used dropped first."""
+
+    def __init__(self, capacity: int = 4096):
+        self.capacity = capacity
+        self._kernels = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key, signature):
+        with self._lock:
+            for seen, func, name in self._kernels.get(key, ()):
+                if tvm_ffi.structural_equal(seen, signature):
+                    self._kernels.move_to_end(key)
+                    return func, name
+        return None
+
+    def put(self, key, signature, func, name):
+        with self._lock:
+            self._kernels.setdefault(key, []).append((signature, func, name))
+            self._kernels.move_to_end(key)
+            while len(self._kernels) > self.capacity:
+                self._kernels.popitem(last=False)
+
+
+SHARED = _Shared()
+
+
 class _Memo:
-    """One op's legalization, remembering the kernels it built during one LegalizeOps run."""
+    """One op's legalization, remembering the kernels it built during one LegalizeOps run (and,
+    through SHARED, in earlier ones)."""
 
     def __init__(self, legalize):
         self.legalize = legalize
@@ -43,12 +77,24 @@ class _Memo:
         key = tvm_ffi.structural_hash(signature)
         for seen, gvar in self.kernels.get(key, ()):
             if tvm_ffi.structural_equal(seen, signature):
-                return relax.Call(_CALL_TIR, [gvar, relax.Tuple(args)], None, [call.ty])
+                return _call(gvar, args, call.ty)
+        # The legalization's identity and the target: rules differ between targets.
+        shared_key = (id(self.legalize), str(tvm.target.Target.current(allow_none=True)), key)
+        known = SHARED.get(shared_key, signature)
+        if known is not None:
+            gvar = bb.add_func(*known)  # the module's own copy, or the equal one it holds
+            self.kernels.setdefault(key, []).append((signature, gvar))
+            return _call(gvar, args, call.ty)
         out = self.legalize(bb, call)
         gvar = _kernel_of(out, args, call.ty)
         if gvar is not None:
             self.kernels.setdefault(key, []).append((signature, gvar))
+            SHARED.put(shared_key, signature, bb.get()[gvar], gvar.name_hint)
         return out
+
+
+def _call(gvar, args, ty):
+    return relax.Call(_CALL_TIR, [gvar, relax.Tuple(args)], None, [ty])
 
 
 def _kernel_of(out, args, ty):
