@@ -233,3 +233,29 @@ def test_a_kernel_is_scheduled_once_per_process_as_the_rules_schedule_it():
     tvm.ir.assert_structural_equal(first, plain)
     tvm.ir.assert_structural_equal(second, plain)
     assert not tvm_ffi.structural_equal(other, plain)
+
+
+def test_metrics_split_a_compile_into_its_pass_pipeline_and_its_code_generation(dev):
+    from ratex.lazy_tensor_core.core import lazy_model as lm
+    from ratex.lazy_tensor_core.debug import metrics
+
+    x = torch.randn(3, 7)
+    y = (x.to(dev) * 3 + 1).tanh().sum(0)
+    lm.mark_step()
+    torch.testing.assert_close(y.cpu(), (x * 3 + 1).tanh().sum(0))
+    compiled = metrics.metric_data("CompileTime")
+    passes, codegen_ = metrics.metric_data("CompilePassesTime"), metrics.metric_data("CodegenTime")
+    assert compiled[0] == passes[0] == codegen_[0] == 1
+    assert 0 < passes[1] and 0 < codegen_[1] and passes[1] + codegen_[1] <= compiled[1]
+
+
+def test_metrics_keep_the_seconds_aotautograd_takes(dev):
+    from ratex.lazy_tensor_core.debug import metrics
+
+    def f(a):
+        return (a.sin() * 2).sum()
+
+    x = torch.randn(5)
+    got = torch.compile(f, backend="ratex")(x)
+    torch.testing.assert_close(got, f(x))
+    assert metrics.metric_data("CaptureTime")[0] == 1

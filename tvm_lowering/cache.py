@@ -28,11 +28,13 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 
 class Built(NamedTuple):
     """A freshly compiled program: the executable, the (input, output) pairs it writes in place,
-    and what the tuning pass did."""
+    what the tuning pass did, and the wall seconds of its pass pipeline and of its code
+    generation ({"passes": s, "codegen": s}: pipeline.build)."""
 
     executable: object
     donated: tuple
     report: tuning.Report
+    seconds: dict
 
 
 class CompileCache:
@@ -151,10 +153,11 @@ class CompileCache:
         donated = []
         report = tuning.Report()
         kernel_pass = self.tuner.pass_(report, on_tune) if self.tuner is not None else None
-        executable = pipeline.build(mod, target, options, donate, donated, kernel_pass, jit)
+        seconds = {}
+        executable = pipeline.build(mod, target, options, donate, donated, kernel_pass, jit, seconds)
         if dump is not None:
             dump(mod, donated)
-        return Built(executable, tuple(donated), report)
+        return Built(executable, tuple(donated), report, seconds)
 
     def store(self, key, options: Options, built: Built, info: dict = None):
         """Save `built` as the disk entry of `key` compiled with `options`, with `info` in its

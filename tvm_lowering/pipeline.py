@@ -1,4 +1,6 @@
 """The pass pipeline that turns a Relax module into an executable for a target (targets.py)."""
+import time
+
 import tvm
 from tvm import relax
 
@@ -53,7 +55,7 @@ def _passes(target: Target, options: Options, donate=(), donated=None, kernel_pa
 
 
 def build(mod: tvm.IRModule, target: Target, options: Options = Options(), donate=(), donated=None,
-          kernel_pass=None, jit: bool = True):
+          kernel_pass=None, jit: bool = True, seconds: dict = None):
     """Compile `mod` with fusion (FuseOps/FuseTIR) for `target`; return a tvm executable.
 
     With `options.library`, conv2d/conv2d_transpose/matmul left in the module
@@ -63,11 +65,18 @@ def build(mod: tvm.IRModule, target: Target, options: Options = Options(), donat
     written into the input's buffer; those that were safe are appended to `donated`.
     `kernel_pass` (tunable targets): the tuning pass (tuning.py). `jit`: the executable will
     run in this process (not be exported), so its kernels' machine code is made now, on the
-    threads that build them (codegen.py).
+    threads that build them (codegen.py). `seconds`, where given, gets the wall seconds of the
+    pass pipeline ("passes") and of making the kernels' code and linking ("codegen").
     """
     pipeline = tvm.transform.Sequential(_passes(target, options, donate, donated, kernel_pass))
+    start = time.perf_counter()
     with target.tvm:
-        return codegen.link(pipeline(mod), target.tvm, jit)
+        mod = pipeline(mod)
+        passed = time.perf_counter()
+        executable = codegen.link(mod, target.tvm, jit)
+    if seconds is not None:
+        seconds.update(passes=passed - start, codegen=time.perf_counter() - passed)
+    return executable
 
 
 def memory_plan(mod: tvm.IRModule, target: Target, options: Options = Options(), donate=()) -> dict:

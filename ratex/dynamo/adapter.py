@@ -20,6 +20,7 @@ from ..version import __version__
 
 counts = metrics.counts  # `counts[name] += 1` on per-call paths
 record = metrics.record
+add_sample = metrics.add_sample
 counter_inc = metrics.counter_inc
 new_seed = random.new_seed
 DROPOUT_KEEP = torch.ops.ratex.dropout_keep.default  # defined by ratex.core.tracing.random
@@ -96,6 +97,7 @@ def build(mod, kind: str, cuda_arch: str, donate: tuple, label: str, key, ops: i
     with progress.compiling(label), metrics.timed("CompileTime"), tvm_log.captured():
         built = executor.CACHE.build(mod, target(kind, cuda_arch), opts, donate, on_tune=executor.tuning_progress,
                                      jit=not persists)
+    executor.record_phases(built)
     if built.donated:
         metrics.counter_inc("DonatedBuffers", len(built.donated))
     if built.report.applied:
