@@ -229,6 +229,19 @@ class KernelCache:
 KERNELS = KernelCache()
 
 
+def _called(mod: tvm.IRModule) -> tvm.IRModule:
+    """`mod` without the kernels no Relax function calls any more: the pipeline leaves some behind
+    (a reshape that became a view of its input, a kernel whose in-place copy replaced it)."""
+    called = set()
+    for func in mod.functions.values():
+        if not isinstance(func, tirx.PrimFunc):
+            called.update(relax.analysis.all_global_vars(func))
+    if all(gv in called for gv, func in mod.functions.items() if isinstance(func, tirx.PrimFunc)):
+        return mod
+    kept = {gv: func for gv, func in mod.functions.items() if not isinstance(func, tirx.PrimFunc) or gv in called}
+    return tvm.IRModule(kept, attrs=mod.attrs, global_infos=mod.global_infos)
+
+
 def link(mod: tvm.IRModule, target: tvm.target.Target, jit: bool = True, threads: int = 0):
     """Return the VM executable of `mod`, a Relax module through its pass pipeline (what
     `tvm.compile` does after the pipeline, with the kernels built by `build_kernels`). With
@@ -240,6 +253,7 @@ def link(mod: tvm.IRModule, target: tvm.target.Target, jit: bool = True, threads
     device_libs = [m for m in ext_libs if vm_build._is_device_module(m)]
     host_libs = [m for m in ext_libs if not vm_build._is_device_module(m)]
     shared = jit and target.kind.name == "llvm" and not device_libs
+    mod = _called(mod)
     if shared:
         mod = KERNELS.name(mod, target)
     builder = relax.ExecBuilder()
