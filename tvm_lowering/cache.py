@@ -28,11 +28,13 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 
 class Built(NamedTuple):
     """A freshly compiled program: the executable, the (input, output) pairs it writes in place,
-    and what the tuning pass did."""
+    what the tuning pass did, and the wall seconds of its pass pipeline and of its code
+    generation ({"passes": s, "codegen": s}: pipeline.build)."""
 
     executable: object
     donated: tuple
     report: tuning.Report
+    seconds: dict
 
 
 class CompileCache:
@@ -143,17 +145,19 @@ class CompileCache:
 
     # ---- compiling --------------------------------------------------------------------
     def build(self, mod: tvm.IRModule, target: Target, options: Options, donate=(), on_tune=None,
-              dump=None) -> Built:
+              dump=None, jit: bool = True) -> Built:
         """Compile `mod` for `target` (pipeline.build); with a tuner, its kernels are tuned first
         (`on_tune`: see Tuner.pass_) or given their records. `dump(mod, donated)`, the IR dump
-        hook, sees each module compiled."""
+        hook, sees each module compiled. `jit`: the executable runs in this process (False: it
+        is `store`d and loaded back instead)."""
         donated = []
         report = tuning.Report()
         kernel_pass = self.tuner.pass_(report, on_tune) if self.tuner is not None else None
-        executable = pipeline.build(mod, target, options, donate, donated, kernel_pass)
+        seconds = {}
+        executable = pipeline.build(mod, target, options, donate, donated, kernel_pass, jit, seconds)
         if dump is not None:
             dump(mod, donated)
-        return Built(executable, tuple(donated), report)
+        return Built(executable, tuple(donated), report, seconds)
 
     def store(self, key, options: Options, built: Built, info: dict = None):
         """Save `built` as the disk entry of `key` compiled with `options`, with `info` in its

@@ -1,8 +1,11 @@
 """The pass pipeline that turns a Relax module into an executable for a target (targets.py)."""
+import time
+
 import tvm
 from tvm import relax
 
-from . import cuda_graph, inplace
+from . import codegen, cuda_graph, inplace, once
+from .legalize import legalize_ops
 from .library_dispatch import library_dispatch_pass
 from .simplify import expand_attention, fold_transposes
 from .targets import Options, Target, resolve_target  # noqa: F401  (resolve_target: imported from here too)
@@ -11,16 +14,16 @@ from .targets import Options, Target, resolve_target  # noqa: F401  (resolve_tar
 def _stages(target: Target, options: Options, donate=(), donated=None, kernel_pass=None) -> list:
     """TVM's pipeline for the target, with the target's legalization rules first, then tuning
     (`kernel_pass`, see tuning.py: it schedules kernels right after FuseTIR, before the default
-    schedules), the target's own schedules, buffer donation (see inplace.py) and, with
+    schedules), the target's own schedules (each distinct kernel's made once: once.py), buffer donation (see inplace.py) and, with
     `options.cuda_graph`, CUDA graphs (see cuda_graph.py)."""
     stages = target.stages()
     donated = donated if donated is not None else []
     legalize = stages.legalize_passes(target.tvm)
-    legalize.insert(0, relax.transform.LegalizeOps(dict(target.legalize)))
+    legalize.insert(0, legalize_ops(target.legalize))
     if kernel_pass is not None:
         legalize.append(kernel_pass)
     if options.schedule and target.schedule is not None:
-        legalize.append(target.schedule())
+        legalize.append(once.SCHEDULES.wrap(target.schedule(), target.name))
     if donate:  # after fusion and scheduling: each op is a call_tir whose PrimFunc is final
         legalize.append(inplace.donate(donate, donated))
     finalize = stages.finalize_passes(target.tvm)
@@ -52,7 +55,7 @@ def _passes(target: Target, options: Options, donate=(), donated=None, kernel_pa
 
 
 def build(mod: tvm.IRModule, target: Target, options: Options = Options(), donate=(), donated=None,
-          kernel_pass=None):
+          kernel_pass=None, jit: bool = True, seconds: dict = None):
     """Compile `mod` with fusion (FuseOps/FuseTIR) for `target`; return a tvm executable.
 
     With `options.library`, conv2d/conv2d_transpose/matmul left in the module
@@ -60,11 +63,20 @@ def build(mod: tvm.IRModule, target: Target, options: Options = Options(), donat
     those of fewer than `options.library_min_macs` multiply-adds excepted.
     `donate`: (input, output) index pairs of `main` where the output may be
     written into the input's buffer; those that were safe are appended to `donated`.
-    `kernel_pass` (tunable targets): the tuning pass (tuning.py).
+    `kernel_pass` (tunable targets): the tuning pass (tuning.py). `jit`: the executable will
+    run in this process (not be exported), so its kernels' machine code is made now, on the
+    threads that build them (codegen.py). `seconds`, where given, gets the wall seconds of the
+    pass pipeline ("passes") and of making the kernels' code and linking ("codegen").
     """
     pipeline = tvm.transform.Sequential(_passes(target, options, donate, donated, kernel_pass))
+    start = time.perf_counter()
     with target.tvm:
-        return tvm.compile(mod, target=target.tvm, relax_pipeline=pipeline)
+        mod = pipeline(mod)
+        passed = time.perf_counter()
+        executable = codegen.link(mod, target.tvm, jit)
+    if seconds is not None:
+        seconds.update(passes=passed - start, codegen=time.perf_counter() - passed)
+    return executable
 
 
 def memory_plan(mod: tvm.IRModule, target: Target, options: Options = Options(), donate=()) -> dict:

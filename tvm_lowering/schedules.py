@@ -33,13 +33,19 @@ _TILE_ROWS = 8  # rows of a contraction's register tile: 8 vector accumulators
 _LOAD = tvm.ir.TensorLoad  # the class of tirx.BufferLoad (a constructor function in TVM 0.27)
 
 
+def _schedule(func):
+    """A schedule of `func` whose refused primitives raise without rendering the IR: the rules
+    try primitives that may not apply (_tried), and the rendering cost more than the tries."""
+    return s_tir.Schedule(func, error_render_level="fast")
+
+
 class Injective(CPUScheduleRule):
     """Fused elementwise kernels: inline producers, then parallel outer + vectorized inner loop."""
 
     def apply(self, func, target, _tunable):
         if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
             return None
-        sch = s_tir.Schedule(func)
+        sch = _schedule(func)
         infos = normalize_prim_func(sch)
         if not infos or not all(_elementwise(sch, info) for info in infos):
             return None
@@ -93,7 +99,7 @@ class Contraction(CPUScheduleRule):
     def apply(self, func, target, _tunable):
         if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
             return None
-        sch = s_tir.Schedule(func)
+        sch = _schedule(func)
         infos = normalize_prim_func(sch)
         reductions = [info for info in infos or () if info.is_reduction()]
         if len(reductions) != 1:
@@ -372,7 +378,7 @@ def _reduction_block(rule, func, target, contiguous):
     along the last "kept" (spatial) or "reduced" axis; else None."""
     if not isinstance(func, tirx.PrimFunc) or not rule.is_target_available(target):
         return None
-    sch = s_tir.Schedule(func)
+    sch = _schedule(func)
     infos = normalize_prim_func(sch)
     if not infos or not infos[-1].is_reduction():
         return None

@@ -205,12 +205,13 @@ def _compile(graph: Graph, key, donate: tuple, aliasing: bool) -> Program:
     _attach(be)
     dev = be.target.device()
     dump = functools.partial(_save_ir, graph) if config.SAVE_IR else None
+    # Making the kernels' machine code in memory (JIT) costs about as much as the rest of the
+    # build. With a persistent cache the library is exported (linked) once and loaded instead.
+    persists = CACHE.persists(key, options)
     with metrics.timed("CompileTime"):
-        built = CACHE.build(mod, be.target, options, donate, on_tune=tuning_progress, dump=dump)
-        # Making the VM JIT-links the code in memory, which costs about as much as the build.
-        # With a persistent cache the library is exported (linked) once and loaded instead.
-        persists = CACHE.persists(key, options)
+        built = CACHE.build(mod, be.target, options, donate, on_tune=tuning_progress, dump=dump, jit=not persists)
         program = None if persists else Program(built.executable, mod, dev, donate, constant_roots(graph), aliasing)
+    record_phases(built)
     if built.donated:
         metrics.counter_inc("DonatedBuffers", len(built.donated))
     if built.report.applied:
@@ -221,6 +222,13 @@ def _compile(graph: Graph, key, donate: tuple, aliasing: bool) -> Program:
         program = Program(lib if lib is not None else built.executable, mod, dev, donate, constant_roots(graph),
                           aliasing)
     return program
+
+
+def record_phases(built):
+    """Keep the seconds of a compile's pass pipeline and of its code generation as the metrics
+    CompilePassesTime and CodegenTime (the two parts of CompileTime's build)."""
+    metrics.add_sample("CompilePassesTime", built.seconds["passes"])
+    metrics.add_sample("CodegenTime", built.seconds["codegen"])
 
 
 def load_program(graph: Graph, key, donate=(), aliasing: bool = False):

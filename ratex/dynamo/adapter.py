@@ -20,6 +20,7 @@ from ..version import __version__
 
 counts = metrics.counts  # `counts[name] += 1` on per-call paths
 record = metrics.record
+add_sample = metrics.add_sample
 counter_inc = metrics.counter_inc
 new_seed = random.new_seed
 DROPOUT_KEEP = torch.ops.ratex.dropout_keep.default  # defined by ratex.core.tracing.random
@@ -92,13 +93,16 @@ def build(mod, kind: str, cuda_arch: str, donate: tuple, label: str, key, ops: i
     launch.drain()  # no compiling while a lazy program runs: TVM's codegen isn't safe next to it
     _attach(kind, cuda_arch)
     opts = options(kind)
+    persists = key is not None and executor.CACHE.persists(key, opts)
     with progress.compiling(label), metrics.timed("CompileTime"), tvm_log.captured():
-        built = executor.CACHE.build(mod, target(kind, cuda_arch), opts, donate, on_tune=executor.tuning_progress)
+        built = executor.CACHE.build(mod, target(kind, cuda_arch), opts, donate, on_tune=executor.tuning_progress,
+                                     jit=not persists)
+    executor.record_phases(built)
     if built.donated:
         metrics.counter_inc("DonatedBuffers", len(built.donated))
     if built.report.applied:
         metrics.counter_inc("TunedKernelsApplied", built.report.applied)
-    if key is not None and executor.CACHE.persists(key, opts):
+    if persists:
         with metrics.timed("PersistentCacheStoreTime"):
             lib = executor.CACHE.store(key, opts, built, {"ops": ops})
         if lib is not None:

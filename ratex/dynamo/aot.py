@@ -16,10 +16,12 @@ stay in the graph (`keep_inference_input_mutations`), so ratex writes them back
 itself, in place where buffer donation allows.
 """
 import functools
+import time
 
 import torch
 
 import tvm_lowering
+from . import adapter
 from .program import CompiledGraph
 
 
@@ -51,13 +53,15 @@ def capture(gm: torch.fx.GraphModule, example_inputs: list, compile_graph=Compil
 
     Each graph AOTAutograd produces goes to `compile_graph(graph_module, role)`, role being
     'forward', 'backward' or 'inference'; it returns what AOTAutograd calls for that graph.
+    The seconds AOTAutograd takes are kept as the metric CaptureTime.
     """
     from torch._dynamo.backends.common import aot_autograd  # noqa: PLC0415
     from torch._functorch.partitioners import min_cut_rematerialization_partition  # noqa: PLC0415
     from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: PLC0415
 
+    start = time.perf_counter()
     with sdpa_kernel([SDPBackend.MATH]):  # AOTAutograd traces forward and backward inside this call
-        return aot_autograd(
+        compiled = aot_autograd(
             fw_compiler=_compiler("forward", compile_graph),
             bw_compiler=_compiler("backward", compile_graph),
             inference_compiler=_compiler("inference", compile_graph),
@@ -67,6 +71,8 @@ def capture(gm: torch.fx.GraphModule, example_inputs: list, compile_graph=Compil
             partition_fn=min_cut_rematerialization_partition,
             keep_inference_input_mutations=True,
         )(gm, example_inputs)
+    adapter.add_sample("CaptureTime", time.perf_counter() - start)
+    return compiled
 
 
 def backend(gm: torch.fx.GraphModule, example_inputs: list, **options):

@@ -1,0 +1,261 @@
+"""What makes a cold compile cheaper: kernels without the argument checks the VM makes itself,
+built on threads, and kernels, schedules and legalizations shared by a process's programs."""
+import collections
+
+import pytest
+import torch
+import tvm
+import tvm_ffi
+from tvm import relax, tirx
+
+from tvm_lowering import build, codegen, legalize, once, pipeline, resolve_target, schedules
+
+pytestmark = pytest.mark.cpu_only("LLVM code generation")
+
+CPU = resolve_target("CPU")
+F32 = "float32"
+
+
+def _module(shape=(4, 8), extra=False):
+    """main(x, y) = (sum((x + y) * x, axis 1), exp(x) - y[, tanh(y) * y with `extra`]): a kernel each."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType(shape, F32))
+    y = relax.Var("y", relax.TensorType(shape, F32))
+    with bb.function("main", [x, y]):
+        with bb.dataflow():
+            outs = [bb.emit(relax.op.sum(relax.op.multiply(relax.op.add(x, y), x), axis=[1])),
+                    bb.emit(relax.op.subtract(relax.op.exp(x), y))]
+            if extra:
+                outs.append(bb.emit(relax.op.multiply(relax.op.tanh(y), y)))
+            out = bb.emit_output(relax.Tuple(outs))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def _expected(x, y, extra=False):
+    return [((x + y) * x).sum(1), x.exp() - y] + ([y.tanh() * y] if extra else [])
+
+
+def _run(executable, *args):
+    return [torch.from_dlpack(t) for t in relax.VirtualMachine(executable, tvm.cpu())["main"](*args)]
+
+
+@pytest.fixture(scope="module")
+def program():
+    """The executable of _module() and the kernels of its TIR, through ratex's pipeline."""
+    return build(_module(), CPU)
+
+
+def _checks(mod: tvm.IRModule) -> collections.Counter:
+    """What the prologue checks of the packed kernels in `mod` check, counted."""
+    found = collections.Counter()
+
+    def walk(stmt):
+        kind = type(stmt)
+        if kind is tirx.AssertStmt:
+            text = codegen._text(stmt)
+            found[next((what for what in ("strides", "byte_offset", "device_type", "shape", "ndim", "dtype")
+                        if what in text), "other")] += 1
+        elif kind is tirx.SeqStmt:
+            for s in stmt.seq:
+                walk(s)
+        elif kind is tirx.AttrStmt and stmt.attr_key != "compute_scope":
+            walk(stmt.body)
+        elif kind is tirx.IfThenElse:
+            walk(stmt.then_case)
+
+    for func in mod.functions.values():
+        walk(func.body)
+    return found
+
+
+def _lowered_kernels(pipeline_name: str) -> tvm.IRModule:
+    passes = tvm.transform.Sequential(pipeline._passes(CPU, CPU.options()))
+    with CPU.tvm:
+        mod = passes(_module())
+    kernels = tvm.IRModule({gv: f for gv, f in mod.functions.items() if isinstance(f, tirx.PrimFunc)})
+    kernels = tirx.transform.BindTarget(CPU.tvm.with_host(CPU.tvm))(kernels)
+    lower, _, _ = tvm.tirx.get_tir_pipeline(pipeline_name)
+    with CPU.tvm:
+        return lower(kernels)
+
+
+def test_kernels_keep_only_the_argument_checks_the_vm_does_not_make():
+    default, trimmed = _checks(_lowered_kernels("default")), _checks(_lowered_kernels(codegen.PIPELINE))
+    for made_by_the_vm in ("shape", "ndim", "dtype"):
+        assert default[made_by_the_vm] and not trimmed[made_by_the_vm]
+    for kept in ("strides", "byte_offset", "device_type"):
+        assert trimmed[kept] == default[kept] > 0
+
+
+def test_a_program_still_rejects_inputs_that_do_not_match(program):
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    torch.testing.assert_close(_run(program, x, y), _expected(x, y))
+    with pytest.raises(ValueError, match="compact"):  # a kernel's own check, kept
+        _run(program, torch.randn(8, 4).t(), y)
+    with pytest.raises(Exception, match="shape"):  # the VM's
+        _run(program, torch.randn(4, 9), y)
+    with pytest.raises(Exception, match="dtype"):
+        _run(program, torch.randn(4, 8, dtype=torch.float64), y)
+
+
+def test_kernels_are_split_over_threads_each_once():
+    mod = tvm.IRModule({gv: f for gv, f in _lowered_kernels(codegen.PIPELINE).functions.items()})
+    shards = codegen._shards(mod, 2)
+    names = [gv.name_hint for shard in shards for gv in shard.get_global_vars()]
+    assert len(shards) == 2 and sorted(names) == sorted(gv.name_hint for gv in mod.get_global_vars())
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_program_built_on_threads_computes_what_torch_does(threads, monkeypatch):
+    monkeypatch.setattr(codegen, "cores", lambda: threads)
+    executable = build(_module(extra=True), CPU, jit=False)  # not shared: built here whatever ran before
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    torch.testing.assert_close(_run(executable, x, y), _expected(x, y, extra=True))
+
+
+@pytest.fixture
+def kernels(monkeypatch):
+    """A fresh kernel cache, and the names of the kernels each build made (one list per build)."""
+    cache = codegen.KernelCache()
+    monkeypatch.setattr(codegen, "KERNELS", cache)
+    made = []
+    shards = codegen._build_shards
+
+    def spy(mod, *args):
+        made.append(sorted(gv.name_hint for gv in mod.get_global_vars()))
+        return shards(mod, *args)
+
+    monkeypatch.setattr(codegen, "_build_shards", spy)
+    return cache, made
+
+
+def test_programs_share_the_kernels_they_have_in_common(kernels):
+    cache, made = kernels
+    first = build(_module(), CPU)
+    second = build(_module(extra=True), CPU)  # the first's two kernels, and tanh(y) * y
+    other_shape = build(_module(shape=(3, 5)), CPU)  # kernels of the same names, on other shapes
+    assert [len(m) for m in made] == [2, 1, 2]
+    assert not set(made[2]) & set(made[0])
+    assert len(cache) == 5
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    torch.testing.assert_close(_run(first, x, y), _expected(x, y))
+    torch.testing.assert_close(_run(second, x, y), _expected(x, y, extra=True))
+    a, b = torch.randn(3, 5), torch.randn(3, 5)
+    torch.testing.assert_close(_run(other_shape, a, b), _expected(a, b))
+
+
+def test_an_exported_program_neither_uses_nor_fills_the_kernel_cache(kernels, tmp_path):
+    cache, made = kernels
+    build(_module(), CPU)
+    held = len(cache)
+    exported = build(_module(), CPU, jit=False)
+    assert len(cache) == held and [len(m) for m in made] == [2, 2]
+    path = str(tmp_path / "program.so")
+    exported.export_library(path)
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    torch.testing.assert_close(_run(tvm.runtime.load_module(path), x, y), _expected(x, y))
+
+
+def test_a_kernel_name_is_given_to_one_kernel_only(kernels):
+    cache, _ = kernels
+    with CPU.tvm:
+        func, other = (next(f for f in tvm.transform.Sequential(pipeline._passes(CPU, CPU.options()))(_module(shape))
+                            .functions.values() if isinstance(f, tirx.PrimFunc)) for shape in ((4, 8), (3, 5)))
+    where = (str(CPU.tvm), "")
+    name = cache._name(func, "k", where)
+    assert cache._name(func, "k", where) == name  # the same kernel: the same name
+    assert cache._name(other, "k", where) != name
+    assert cache._name(func, "k", ("another target", "")) != name
+    twice = tvm.IRModule({tvm.ir.GlobalVar("a"): func, tvm.ir.GlobalVar("b"): func})
+    named = cache.name(twice, CPU.tvm)
+    assert len({f.attrs["global_symbol"] for f in named.functions.values()}) == 2
+    cache.clear()
+    assert cache._name(func, "k", where) != name  # a name given out is never given again
+
+
+def _repeated_adds():
+    """main(x, y): five adds of (4, 8) tensors and one of (3, 5) ones."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((4, 8), F32))
+    y = relax.Var("y", relax.TensorType((3, 5), F32))
+    with bb.function("main", [x, y]):
+        with bb.dataflow():
+            z = x
+            for _ in range(5):
+                z = bb.emit(relax.op.add(z, x))
+            w = bb.emit(relax.op.add(y, y))
+            out = bb.emit_output(relax.Tuple([z, w]))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def test_legalization_runs_once_per_distinct_call_and_gives_what_tvm_gives():
+    tvm_add = tvm.ir.Op.get("relax.add").get_attr("FLegalize")
+    calls = []
+
+    def add(bb, call):
+        calls.append(call)
+        return tvm_add(bb, call)
+
+    with CPU.tvm:
+        ours = legalize.legalize_ops({"relax.add": add})(_repeated_adds())
+        assert len(calls) == 2  # one per distinct (types, attributes)
+        again = legalize.legalize_ops({"relax.add": add})(_repeated_adds())
+        assert len(calls) == 2  # the kernels legalized before, in another module
+        theirs = relax.transform.LegalizeOps()(_repeated_adds())
+    tvm.ir.assert_structural_equal(ours, theirs)
+    tvm.ir.assert_structural_equal(again, theirs)
+
+
+def test_a_kernel_is_scheduled_once_per_process_as_the_rules_schedule_it():
+    memo = once.Once()
+    seen = []
+    rules = schedules.cpu_schedule()
+
+    @tvm.transform.module_pass(opt_level=0, name="Counted")
+    def counted(mod, ctx):
+        seen.append(len(mod.functions))
+        return rules(mod)
+
+    def fused(shape):
+        passes = pipeline._passes(CPU, CPU.options())
+        upto = next(k for k, p in enumerate(passes) if p.info.name.startswith("Once("))
+        with CPU.tvm:
+            return tvm.transform.Sequential(passes[:upto])(_module(shape))
+
+    with CPU.tvm:
+        first = memo.wrap(counted, "CPU")(fused((4, 8)))
+        second = memo.wrap(counted, "CPU")(fused((4, 8)))
+        other = memo.wrap(counted, "CPU")(fused((3, 5)))
+        plain = rules(fused((4, 8)))
+    assert len(seen) == 2 and seen[0] == seen[1] > 0  # not called for the second module
+    tvm.ir.assert_structural_equal(first, plain)
+    tvm.ir.assert_structural_equal(second, plain)
+    assert not tvm_ffi.structural_equal(other, plain)
+
+
+def test_metrics_split_a_compile_into_its_pass_pipeline_and_its_code_generation(dev):
+    from ratex.lazy_tensor_core.core import lazy_model as lm
+    from ratex.lazy_tensor_core.debug import metrics
+
+    x = torch.randn(3, 7)
+    y = (x.to(dev) * 3 + 1).tanh().sum(0)
+    lm.mark_step()
+    torch.testing.assert_close(y.cpu(), (x * 3 + 1).tanh().sum(0))
+    compiled = metrics.metric_data("CompileTime")
+    passes, codegen_ = metrics.metric_data("CompilePassesTime"), metrics.metric_data("CodegenTime")
+    assert compiled[0] == passes[0] == codegen_[0] == 1
+    assert 0 < passes[1] and 0 < codegen_[1] and passes[1] + codegen_[1] <= compiled[1]
+
+
+def test_metrics_keep_the_seconds_aotautograd_takes(dev):
+    from ratex.lazy_tensor_core.debug import metrics
+
+    def f(a):
+        return (a.sin() * 2).sum()
+
+    x = torch.randn(5)
+    got = torch.compile(f, backend="ratex")(x)
+    torch.testing.assert_close(got, f(x))
+    assert metrics.metric_data("CaptureTime")[0] == 1
