@@ -154,6 +154,45 @@ def test_bfloat16_infinities_and_nan_compile_for_cuda(build_for_cuda):
         "__float2bfloat16_rn(-__int_as_float(0x7f800000)) + __float2bfloat16_rn(0x1p+0f/*1.0e+00*/)"
 
 
+@pytest.mark.skipif(shutil.which("nvcc") is None or shutil.which("cuobjdump") is None,
+                    reason="needs CUDA's nvcc and cuobjdump")
+@pytest.mark.parametrize("mode", ["nvcc", "nvrtc"])
+def test_cuda_source_compiles_without_fast_math(build_for_cuda, mode, monkeypatch, tmp_path):
+    """TVM's own compile hook passes --use_fast_math: powf of a negative base became NaN (GPT-2's
+    gelu, T5's pow(2).mean()), sinf/logf/tanhf their approximate instructions. The hook ratex
+    installs (cuda_pipeline.compile_cuda) compiles as PyTorch's CUDA kernels are: the machine code
+    has none of the approximations, which TVM's hook's has."""
+    from tvm import relax
+    from tvm.support import nvcc
+
+    if mode == "nvrtc":
+        pytest.importorskip("cuda.bindings.nvrtc")
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((64,), "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.power(x, relax.const(3.0, "float32")))
+            y = bb.emit(relax.op.tanh(relax.op.exp(relax.op.sin(relax.op.log(y)))))
+            out = bb.emit_output(y)
+        bb.emit_func_output(out)
+    code = next(_cuda_sources(build_for_cuda(bb.get()).mod))
+    monkeypatch.setenv("TVM_CUDA_COMPILE_MODE", mode)
+
+    def approximations(binary):
+        path = tmp_path / "kernels.bin"
+        path.write_bytes(bytes(binary))
+        sass = subprocess.run(["cuobjdump", "-sass", str(path)], capture_output=True, text=True, check=True).stdout
+        return {op for op in ("MUFU.SIN", "MUFU.LG2", "MUFU.TANH") if op in sass}
+
+    target = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
+    with target:
+        ours = tvm.get_global_func("tvm_callback_cuda_compile")(code, target)
+        fast = nvcc.compile_cuda(code, target_format="cubin", compiler="nvrtc") if mode == "nvrtc" else None
+    assert approximations(ours) == set()
+    if fast is not None:  # the check can fail: TVM's own NVRTC compile has them
+        assert approximations(fast) == {"MUFU.SIN", "MUFU.LG2", "MUFU.TANH"}
+
+
 # ---- the GPU target's lowering, built and run on the CPU ---------------------------------------------------
 def _gpu_lowering_on_cpu(fn, *args):
     """fn(*args)'s lazy graph lowered as for the GPU target (no host loops, its legalization
@@ -475,6 +514,20 @@ def test_gpu_lenet_training_matches_cpu(mode):
     gpu = _losses(_TRAIN, "lazy", mode, RATEX_DEVICE="GPU", ENABLE_PARAM_ALIASING="true")
     assert len(gpu) == 6 and gpu[-1] < gpu[0]  # it trains
     assert gpu == pytest.approx(cpu, rel=1e-4, abs=1e-5)
+
+
+@pytest.mark.gpu
+def test_gpu_math_functions_match_cpu_at_the_edges():
+    """Compiled with fast math, x.pow(3) of a negative x was NaN (GPT-2's gelu_new), sin of 1e4 off
+    in the fourth digit, tanh approximate."""
+    x = torch.tensor([-1e4, -100.0, -20.0, -5.0, -1.0, -1e-3, 0.0, 1e-3, 0.5, 1.0, 5.0, 20.0, 88.0, 100.0, 1e4])
+    fns = {"pow3": lambda t: t.pow(3.0), "pow2": lambda t: t.pow(2.0), "sin": torch.sin, "cos": torch.cos,
+           "tanh": torch.tanh, "exp": torch.exp, "log1p_abs": lambda t: torch.log1p(t.abs()),
+           "gelu_new": lambda t: 0.5 * t * (1.0 + torch.tanh(0.7978845608 * (t + 0.044715 * t.pow(3.0)))),
+           "div": lambda t: t / 3.0, "sqrt_abs": lambda t: t.abs().sqrt()}
+    dev = lm.lazy_device()
+    for name, fn in fns.items():
+        torch.testing.assert_close(fn(x.to(dev)).cpu(), fn(x), rtol=1e-5, atol=1e-6, equal_nan=True, msg=name)
 
 
 @pytest.mark.gpu

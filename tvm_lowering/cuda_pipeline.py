@@ -12,11 +12,21 @@ TVM's CUDA codegen prints a bfloat16 constant as `__float2bfloat16_rn(<hexfloat>
 inf and NaN is `__float2bfloat16_rn(-inff)`: no such identifier, and NVRTC fails the program
 (`x.bfloat16().clamp(min=-inf)`, masks in bfloat16). `_postproc`, TVM's hook on the source before
 it is compiled, writes those as the float32 bit patterns instead.
+
+TVM compiles CUDA source with `--use_fast_math` (NVRTC always, nvcc unless
+TVM_CUDA_NVCC_NO_FAST_MATH is set). That is not PyTorch's arithmetic: every powf becomes
+exp2(y * log2(x)), NaN for a negative base, so `x.pow(3)` of a negative x, GPT-2's gelu and
+T5's `pow(2).mean()` gave NaN; sinf, expf and logf become their approximate intrinsics,
+division and sqrt approximate, denormals flushed to zero. `compile_cuda` (TVM's compile hook)
+compiles without it: with NVRTC, its options filtered, or with nvcc where cuda-python is missing.
 """
+import os
 import re
+import threading
 
 import tvm
 from tvm.relax.backend.cuda import pipeline as _tvm
+from tvm.support import nvcc as _nvcc  # registers TVM's compile hook, which compile_cuda replaces below
 from tvm.s_tir import dlight as dl
 
 library_dispatch_passes = _tvm.library_dispatch_passes
@@ -66,3 +76,49 @@ def _install_postproc():
 
 
 _install_postproc()
+
+_FAST_MATH = b"--use_fast_math"
+_NVRTC_LOCK = threading.Lock()
+
+
+def _has_nvrtc() -> bool:
+    try:
+        from cuda.bindings import nvrtc  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _compile_nvrtc_precise(code: str) -> bytes:
+    """TVM's NVRTC compile of `code` with `--use_fast_math` taken out of its options (TVM's
+    function adds it unconditionally; its NVRTC module is looked up at each call)."""
+    from cuda.bindings import nvrtc
+
+    original = nvrtc.nvrtcCompileProgram
+
+    def precise(prog, count, options):
+        options = [o for o in options if o != _FAST_MATH]
+        return original(prog, len(options), options)
+
+    with _NVRTC_LOCK:
+        nvrtc.nvrtcCompileProgram = precise
+        try:
+            return _nvcc.compile_cuda(code, target_format="cubin", compiler="nvrtc")
+        finally:
+            nvrtc.nvrtcCompileProgram = original
+
+
+def compile_cuda(code: str, target=None) -> bytes:
+    """Compile CUDA source `code` (TVM's `tvm_callback_cuda_compile`; `target`, which TVM's C++ side
+    passes, is also the current target) without fast math: with NVRTC, as TVM does, where
+    cuda-python has it, else with nvcc; TVM_CUDA_COMPILE_MODE=nvcc|nvrtc picks one."""
+    mode = os.environ.get("TVM_CUDA_COMPILE_MODE", "").lower()
+    if mode not in ("", "nvcc", "nvrtc"):
+        raise ValueError(f"TVM_CUDA_COMPILE_MODE={mode!r}: expected 'nvcc' or 'nvrtc'")
+    if mode == "nvrtc" or (mode == "" and _has_nvrtc()):
+        return _compile_nvrtc_precise(code)
+    os.environ["TVM_CUDA_NVCC_NO_FAST_MATH"] = "1"  # TVM's nvcc command line reads it at each call
+    return _nvcc.compile_cuda(code, target_format="fatbin", compiler="nvcc")
+
+
+tvm.register_global_func("tvm_callback_cuda_compile", compile_cuda, override=True)
