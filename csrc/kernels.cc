@@ -35,6 +35,9 @@
 #include <ATen/ops/max_pool2d_with_indices_backward.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/zeros.h>
+#include <ATen/Config.h>
+#include <ATen/Context.h>
+#include <ATen/Parallel.h>
 #include <c10/core/InferenceMode.h>
 #include <tvm/ffi/container/array.h>
 #include <tvm/ffi/extra/c_env_api.h>
@@ -47,12 +50,22 @@
 #include <c10/cuda/CUDAStream.h>
 #endif
 
+#include <algorithm>
 #include <cctype>
 #include <cstdlib>
 #include <optional>
 #include <string>
 #include <utility>
 #include <vector>
+
+#if AT_MKLDNN_ENABLED()
+namespace at::native {
+// ATen's oneDNN product (ATen/native/mkldnn/Matmul.h, a header torch does not install):
+// result = beta * result + alpha * (mat1 @ mat2) for 2-D or 3-D operands of any strides.
+TORCH_API void mkldnn_matmul(const at::Tensor& mat1, const at::Tensor& mat2, const at::Tensor& result, float beta,
+                             float alpha);
+}  // namespace at::native
+#endif
 
 namespace {
 
@@ -313,22 +326,114 @@ void check_arity(const char* name, const ffi::PackedArgs& args, int n) {
 // ---------------------------------------------------------------------------------------
 // The kernels (argument order as in ratex/core/kernels.py).
 
+// Float32 products on the CPU: oneDNN or ATen's own choice (MKL's sgemm).
+//
+// ATen runs a float32 mm/bmm as MKL's sgemm. MKL takes its AVX-512 kernels only on Intel
+// CPUs; elsewhere (AMD's Zen 4 and 5, which have AVX-512) it runs a generic path at half the
+// speed or less, while oneDNN, which picks its kernels by the ISA the CPU reports, runs the same
+// product 2-4x faster there (scripts/kernel_profile.py shows the products as most of an MLP's or
+// a transformer's training step). oneDNN has a fixed cost of ~10 us a call and is far slower for
+// matrix-vector shapes, so small and skinny products stay with ATen. `gemm_onednn`
+// (ratex.lib.set_onednn_gemm, from RATEX_ONEDNN_GEMM) turns the path off.
+bool gemm_onednn = AT_MKLDNN_ENABLED();
+constexpr int64_t kOneDnnMinMacs = int64_t(1) << 21;
+constexpr int64_t kOneDnnMinSide = 8;
+
+// Whether out = a @ b (2-D, or 3-D of one batch) goes to oneDNN; see above.
+bool onednn_product(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out) {
+  if (!gemm_onednn || !out.device().is_cpu() || !at::globalContext().userEnabledMkldnn()) return false;
+  for (const at::Tensor* t : {&a, &b, &out}) {
+    if (t->scalar_type() != at::kFloat) return false;
+  }
+  int64_t d = a.dim();
+  if ((d != 2 && d != 3) || b.dim() != d || out.dim() != d || !out.is_contiguous()) return false;
+  int64_t batch = d == 3 ? a.size(0) : 1, m = a.size(-2), k = a.size(-1), n = b.size(-1);
+  if (d == 3 && (b.size(0) != batch || out.size(0) != batch)) return false;
+  if (b.size(-2) != k || out.size(-2) != m || out.size(-1) != n) return false;  // ATen says what is wrong
+  return std::min({m, k, n}) >= kOneDnnMinSide && batch * m * k * n >= kOneDnnMinMacs;
+}
+
+struct Operands {
+  at::Tensor a, b, out;
+};
+
+// matmul's a @ b -> out as 2-D or 3-D products, without copies: a's batch dimensions folded into
+// its rows where b is a matrix (a row-major a, as ATen's matmul folds it), or the batch
+// dimensions of both merged into one; else the operands as they are.
+Operands folded(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out) {
+  if (out.dim() != a.dim() || !out.is_contiguous()) return {a, b, out};
+  if (a.dim() > 2 && b.dim() == 2 && a.stride(-1) == 1 && a.stride(-2) == a.size(-1)) {
+    at::Tensor rows = a.flatten(0, -2);
+    if (rows.is_alias_of(a)) return {rows, b, out.flatten(0, -2)};
+  } else if (a.dim() > 3 && b.dim() == a.dim()) {
+    at::Tensor a3 = a.flatten(0, -3), b3 = b.flatten(0, -3);
+    if (a3.is_alias_of(a) && b3.is_alias_of(b)) return {a3, b3, out.flatten(0, -3)};
+  }
+  return {a, b, out};
+}
+
+// out = beta * out + alpha * (a @ b) through oneDNN, where onednn_product(a, b, out).
+void onednn_matmul(const Operands& p, double beta, double alpha) {
+#if AT_MKLDNN_ENABLED()
+  at::internal::lazy_init_num_threads();  // oneDNN's OpenMP on this thread: torch's thread count, as MKL's
+  at::native::mkldnn_matmul(p.a, p.b, p.out, static_cast<float>(beta), static_cast<float>(alpha));
+#else
+  TVM_FFI_THROW(RuntimeError) << "this torch has no oneDNN";
+#endif
+}
+
+void matmul_into(const at::Tensor& a, const at::Tensor& b, at::Tensor& out) {
+  Operands p = folded(a, b, out);
+  if (onednn_product(p.a, p.b, p.out)) return onednn_matmul(p, 0, 1);
+  at::matmul_out(out, a, b);
+}
+
+template <at::Tensor& (*Product)(at::Tensor&, const at::Tensor&, const at::Tensor&)>
+void product_into(const at::Tensor& a, const at::Tensor& b, at::Tensor& out) {
+  if (onednn_product(a, b, out)) return onednn_matmul({a, b, out}, 0, 1);
+  Product(out, a, b);
+}
+
 // mm_out, bmm_out, matmul_out: (a, b, attrs {"ta", "tb"}, out), the flags folding a swap of
 // an operand's last two axes into a strided view.
-template <at::Tensor& (*Product)(at::Tensor&, const at::Tensor&, const at::Tensor&)>
+template <void (*Product)(const at::Tensor&, const at::Tensor&, at::Tensor&)>
 void product_out(ffi::PackedArgs args, ffi::Any*) {
   check_arity("mm_out/bmm_out/matmul_out", args, 4);
   Json cfg = attrs_of(args[2]);
   at::Tensor out = tensor_arg(args, 3);
-  Product(out, maybe_t(tensor_arg(args, 0), cfg["ta"].as_bool()), maybe_t(tensor_arg(args, 1), cfg["tb"].as_bool()));
+  Product(maybe_t(tensor_arg(args, 0), cfg["ta"].as_bool()), maybe_t(tensor_arg(args, 1), cfg["tb"].as_bool()), out);
 }
 
 void addmm_out(ffi::PackedArgs args, ffi::Any*) {
   check_arity("addmm_out", args, 5);
   Json cfg = attrs_of(args[3]);
-  at::Tensor out = tensor_arg(args, 4);
-  at::addmm_out(out, tensor_arg(args, 0), maybe_t(tensor_arg(args, 1), cfg["ta"].as_bool()),
-                maybe_t(tensor_arg(args, 2), cfg["tb"].as_bool()), cfg["beta"].as_double(), cfg["alpha"].as_double());
+  at::Tensor out = tensor_arg(args, 4), bias = tensor_arg(args, 0);
+  at::Tensor a = maybe_t(tensor_arg(args, 1), cfg["ta"].as_bool()), b = maybe_t(tensor_arg(args, 2), cfg["tb"].as_bool());
+  double beta = cfg["beta"].as_double(), alpha = cfg["alpha"].as_double();
+  // oneDNN adds what `out` holds (scaled by beta): the bias, broadcast, goes there first. With
+  // beta 0 the bias is not read at all, as addmm ignores it (NaN included).
+  if (onednn_product(a, b, out) && bias.dim() <= 2) {
+    if (beta != 0) out.copy_(bias.expand_as(out));
+    return onednn_matmul({a, b, out}, beta, alpha);
+  }
+  at::addmm_out(out, bias, a, b, beta, alpha);
+}
+
+void set_onednn_gemm(ffi::PackedArgs args, ffi::Any* rv) {
+  check_arity("set_onednn_gemm", args, 1);
+  gemm_onednn = AT_MKLDNN_ENABLED() && args[0].cast<bool>();
+  *rv = gemm_onednn;
+}
+
+// "onednn" or "aten": the library that ratex.lib.mm_out, bmm_out and addmm_out (`matmul`
+// false) or matmul_out (true) run a @ b -> out on; args (a, b, attrs {"ta", "tb"}, out, matmul).
+void gemm_library(ffi::PackedArgs args, ffi::Any* rv) {
+  check_arity("gemm_library", args, 5);
+  Json cfg = attrs_of(args[2]);
+  Operands p{maybe_t(tensor_arg(args, 0), cfg["ta"].as_bool()), maybe_t(tensor_arg(args, 1), cfg["tb"].as_bool()),
+             tensor_arg(args, 3)};
+  if (args[4].cast<bool>()) p = folded(p.a, p.b, p.out);
+  *rv = ffi::String(onednn_product(p.a, p.b, p.out) ? "onednn" : "aten");
 }
 
 void convolution(ffi::PackedArgs args, ffi::Any* rv) {
@@ -531,10 +636,12 @@ extern "C" int RatexRegisterNativeKernels() {
     aten_out_fallback = new ffi::Function(*previous);
   }
   const std::pair<const char*, ffi::Function> kernels[] = {
-      {"mm_out", kernel<product_out<at::mm_out>>("mm_out")},
+      {"mm_out", kernel<product_out<product_into<at::mm_out>>>("mm_out")},
       {"addmm_out", kernel<addmm_out>("addmm_out")},
-      {"bmm_out", kernel<product_out<at::bmm_out>>("bmm_out")},
-      {"matmul_out", kernel<product_out<at::matmul_out>>("matmul_out")},
+      {"bmm_out", kernel<product_out<product_into<at::bmm_out>>>("bmm_out")},
+      {"matmul_out", kernel<product_out<matmul_into>>("matmul_out")},
+      {"set_onednn_gemm", kernel<set_onednn_gemm>("set_onednn_gemm")},
+      {"gemm_library", kernel<gemm_library>("gemm_library")},
       {"aten_out", kernel<aten_out>("aten_out")},
       {"convolution", kernel<convolution>("convolution")},
       {"convolution_backward", kernel<convolution_backward>("convolution_backward")},
