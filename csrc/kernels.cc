@@ -26,6 +26,7 @@
 #include <ATen/ops/conv_transpose2d.h>
 #include <ATen/ops/convolution.h>
 #include <ATen/ops/convolution_backward.h>
+#include <ATen/ops/embedding_dense_backward.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
 #include <ATen/ops/gelu.h>
@@ -331,9 +332,9 @@ void check_arity(const char* name, const ffi::PackedArgs& args, int n) {
 // ATen runs a float32 mm/bmm as MKL's sgemm. MKL takes its AVX-512 kernels only on Intel
 // CPUs; elsewhere (AMD's Zen 4 and 5, which have AVX-512) it runs a generic path at half the
 // speed or less, while oneDNN, which picks its kernels by the ISA the CPU reports, runs the same
-// product 2-4x faster there (scripts/kernel_profile.py shows the products as most of an MLP's or
-// a transformer's training step). oneDNN has a fixed cost of ~10 us a call and is far slower for
-// matrix-vector shapes, so small and skinny products stay with ATen. `gemm_onednn`
+// product several times faster there (scripts/kernel_profile.py shows the products as most of an
+// MLP's or a transformer's training step). oneDNN has a fixed cost per call that small products
+// do not amortize and is far slower for matrix-vector shapes, so those stay with ATen. `gemm_onednn`
 // (ratex.lib.set_onednn_gemm, from RATEX_ONEDNN_GEMM) turns the path off.
 bool gemm_onednn = AT_MKLDNN_ENABLED();
 constexpr int64_t kOneDnnMinMacs = int64_t(1) << 21;
@@ -579,6 +580,10 @@ void aten_out(ffi::PackedArgs args, ffi::Any* rv) {
     at::gelu_out(out, tensor(0, "self"), approximate(1));
   } else if (op == "aten.gelu_backward.default") {
     at::gelu_backward_out(out, tensor(0, "grad_output"), tensor(1, "self"), approximate(2));
+  } else if (op == "aten.embedding_dense_backward.default") {
+    at::embedding_dense_backward_out(out, tensor(0, "grad_output"), tensor(1, "indices"),
+                                     required(2, "num_weights").as_int(), required(3, "padding_idx").as_int(),
+                                     required(4, "scale_grad_by_freq").as_bool());
   } else if (aten_out_fallback != nullptr) {
     aten_out_fallback->CallPacked(args.data(), args.size(), rv);
   } else {
