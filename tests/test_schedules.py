@@ -117,6 +117,30 @@ def test_elementwise_schedule_keeps_costly_producers_loops_of_their_own():
     assert sch.get_sblock("random_bits") is not None  # raises if it was inlined away
 
 
+def test_transposing_copies_are_tiled():
+    """A copy whose read runs contiguously along another loop than the write's (attention's head
+    transposes, behind reshapes that inlining turns into div/mod chains) is cut into square
+    tiles, vectorized along the write; a plain elementwise kernel keeps its one vector loop.
+    Transposes through reshapes, of odd sizes too, still compute what CPU PyTorch does."""
+    from tvm import te, tirx
+    from tvm_lowering.pipeline import resolve_target
+    from tvm_lowering.schedules import Injective
+
+    target = resolve_target("CPU").tvm
+    x = te.placeholder((3, 128, 8, 256), name="x")
+    heads = te.compute((128, 32, 64), lambda t, h, d: x[1, t, h // 4, (h % 4) * 64 + d], name="heads")
+    keys = te.compute((32, 64, 128), lambda h, d, t: heads[t, h, d] * 0.125, name="keys")
+    sch = Injective().apply(te.create_prim_func([x, keys]), target, False)
+    loops = [sch.get(loop) for loop in sch.get_loops(sch.get_sblock("keys"))]
+    assert [int(loop.extent) for loop in loops[-2:]] == [16, 16]
+    assert loops[-1].kind == tirx.ForKind.VECTORIZED and loops[0].kind == tirx.ForKind.PARALLEL
+    plain = te.compute((128, 32, 64), lambda t, h, d: heads[t, h, d] + 1.0, name="plain")
+    sch = Injective().apply(te.create_prim_func([x, plain]), target, False)
+    assert [int(sch.get(loop).extent) for loop in sch.get_loops(sch.get_sblock("plain"))][-1] == 16
+    check(lambda a, b: (a.view(48, 4, 32).transpose(0, 2) * 0.5, b.t() + 1),
+          rnd(8, 3, 256), rnd(60, 90), ops=["transpose.int", "t.default"])
+
+
 def test_contraction_schedule_tiles_products_and_leaves_the_rest():
     """Matmul and convolutions (sums of products) get register tiles: a vectorized output axis,
     unrolled rows, a local accumulator, tiles in parallel, and the epilogue (here relu) applied
