@@ -12,7 +12,7 @@ pytestmark = [pytest.mark.usefixtures("seeded", "tvm_kernels"), pytest.mark.cpu_
 
 @pytest.mark.parametrize("shape,dims", [((64, 48), [0]), ((5, 3, 32), [0, 1]), ((4, 7, 16, 3), [0, 3]), ((33, 10), [1]),
                                         ((64, 128), [1]), ((8, 16, 48), [1, 2]), ((16, 6, 28, 28), [0, 2, 3]),
-                                        ((9, 5, 6, 6), [0, 2, 3])])
+                                        ((9, 5, 6, 6), [0, 2, 3]), ((64, 1000), [0]), ((5, 3, 40), [0, 1])])
 def test_reductions_over_leading_and_trailing_dims(shape, dims):
     # sum over a non-contiguous axis has its own CPU schedule (ColumnReduction in schedules.py),
     # and so has one over the contiguous axes of a large enough input (RowReduction)
@@ -31,6 +31,12 @@ def test_column_reduction_of_a_product():
     i, j = te.reduce_axis((0, 4)), te.reduce_axis((0, 8))
     out = te.compute((32,), lambda k: te.sum(prod[i, j, k], axis=[i, j]), name="out")
     assert ColumnReduction().apply(te.create_prim_func([a, b, out]), resolve_target("CPU").tvm, False) is not None
+    # rows of 1000 (an LM head's bias gradient): vectors of 8 lanes
+    wide = te.placeholder((64, 1000), name="wide")
+    r = te.reduce_axis((0, 64))
+    bias = te.compute((1000,), lambda k: te.sum(wide[r, k], axis=r), name="bias")
+    sch = ColumnReduction().apply(te.create_prim_func([wide, bias]), resolve_target("CPU").tvm, False)
+    assert sch is not None and "T.vectorized(8)" in sch.mod["main"].script()
     check(lambda x, y: ((x * y).sum([0, 1]), (x * y).sum(0)), rnd(4, 8, 32), rnd(4, 8, 32), ops=["sum.dim_IntList"])
 
 

@@ -406,8 +406,8 @@ class ColumnReduction(CPUScheduleRule):
     Unscheduled, it walks each output's reduced axis with a stride of a whole
     row (far slower than torch for a 1024x1024 sum). Scheduled: loops become
     [kept outer (parallel), reduced, kept middle (up to 16 vectors), kept inner
-    (16 lanes, vectorized)], so each step adds a contiguous run of a row into
-    the accumulators.
+    (16 lanes, or 8 or 4, vectorized)], so each step adds a contiguous run of a
+    row into the accumulators.
     """
 
     def apply(self, func, target, _tunable):
@@ -418,16 +418,21 @@ class ColumnReduction(CPUScheduleRule):
         loops = sch.get_loops(block)
         s_loops, r_loops = loops[: len(spatial)], loops[len(spatial):]
         extents = [get_extent(sch, loop) for loop in loops]
-        if any(not isinstance(e, int) for e in extents) or extents[len(spatial) - 1] % _VECTOR:
+        if any(not isinstance(e, int) for e in extents):
+            return None
+        # Vectors of 16 lanes, or of 8 or 4 where the row is not a multiple of 16 (an LM head's
+        # bias gradient: 1000 columns, left a serial column walk).
+        lanes = next((w for w in (_VECTOR, 8, 4) if extents[len(spatial) - 1] % w == 0), None)
+        if lanes is None:
             return None
         kept = sch.fuse(*s_loops) if len(s_loops) > 1 else s_loops[0]
         red = sch.fuse(*r_loops) if len(r_loops) > 1 else r_loops[0]
         # Each parallel task takes a chunk of up to 16 vectors of columns, so every row it adds
-        # is a 1 KB contiguous run (one 64-byte vector per row walks memory a row apart,
+        # is a contiguous run of up to 1 KB (one 64-byte vector per row walks memory a row apart,
         # slower than torch's).
         width = math.prod(extents[: len(spatial)])
-        vectors = next(v for v in (16, 8, 4, 2, 1) if width % (v * _VECTOR) == 0)
-        outer, mid, inner = sch.split(kept, [None, vectors, _VECTOR])
+        vectors = _divisor(width // lanes, 16)
+        outer, mid, inner = sch.split(kept, [None, vectors, lanes])
         sch.reorder(outer, red, mid, inner)
         sch.parallel(outer)
         sch.vectorize(inner)
