@@ -52,6 +52,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cctype>
 #include <cstdlib>
 #include <optional>
@@ -336,7 +337,7 @@ void check_arity(const char* name, const ffi::PackedArgs& args, int n) {
 // MLP's or a transformer's training step). oneDNN has a fixed cost per call that small products
 // do not amortize and is far slower for matrix-vector shapes, so those stay with ATen. `gemm_onednn`
 // (ratex.lib.set_onednn_gemm, from RATEX_ONEDNN_GEMM) turns the path off.
-bool gemm_onednn = AT_MKLDNN_ENABLED();
+std::atomic<bool> gemm_onednn{AT_MKLDNN_ENABLED()};  // off too once oneDNN refuses a product (onednn_matmul)
 constexpr int64_t kOneDnnMinMacs = int64_t(1) << 21;
 constexpr int64_t kOneDnnMinSide = 8;
 
@@ -373,25 +374,32 @@ Operands folded(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out)
   return {a, b, out};
 }
 
-// out = beta * out + alpha * (a @ b) through oneDNN, where onednn_product(a, b, out).
-void onednn_matmul(const Operands& p, double beta, double alpha) {
+// out = beta * out + alpha * (a @ b) through oneDNN, where onednn_product(a, b, out); false
+// where oneDNN refused the product (a torch or CPU whose oneDNN takes no float32 matmul): the
+// path is then off for the process, and the caller computes the product with ATen, which
+// writes all of `out`.
+bool onednn_matmul(const Operands& p, double beta, double alpha) {
 #if AT_MKLDNN_ENABLED()
   at::internal::lazy_init_num_threads();  // oneDNN's OpenMP on this thread: torch's thread count, as MKL's
-  at::native::mkldnn_matmul(p.a, p.b, p.out, static_cast<float>(beta), static_cast<float>(alpha));
-#else
-  TVM_FFI_THROW(RuntimeError) << "this torch has no oneDNN";
+  try {
+    at::native::mkldnn_matmul(p.a, p.b, p.out, static_cast<float>(beta), static_cast<float>(alpha));
+    return true;
+  } catch (const c10::Error&) {
+    gemm_onednn = false;
+  }
 #endif
+  return false;
 }
 
 void matmul_into(const at::Tensor& a, const at::Tensor& b, at::Tensor& out) {
   Operands p = folded(a, b, out);
-  if (onednn_product(p.a, p.b, p.out)) return onednn_matmul(p, 0, 1);
+  if (onednn_product(p.a, p.b, p.out) && onednn_matmul(p, 0, 1)) return;
   at::matmul_out(out, a, b);
 }
 
 template <at::Tensor& (*Product)(at::Tensor&, const at::Tensor&, const at::Tensor&)>
 void product_into(const at::Tensor& a, const at::Tensor& b, at::Tensor& out) {
-  if (onednn_product(a, b, out)) return onednn_matmul({a, b, out}, 0, 1);
+  if (onednn_product(a, b, out) && onednn_matmul({a, b, out}, 0, 1)) return;
   Product(out, a, b);
 }
 
@@ -415,7 +423,7 @@ void addmm_out(ffi::PackedArgs args, ffi::Any*) {
   // beta 0 the bias is not read at all, as addmm ignores it (NaN included).
   if (onednn_product(a, b, out) && bias.dim() <= 2) {
     if (beta != 0) out.copy_(bias.expand_as(out));
-    return onednn_matmul({a, b, out}, beta, alpha);
+    if (onednn_matmul({a, b, out}, beta, alpha)) return;
   }
   at::addmm_out(out, bias, a, b, beta, alpha);
 }
@@ -423,7 +431,7 @@ void addmm_out(ffi::PackedArgs args, ffi::Any*) {
 void set_onednn_gemm(ffi::PackedArgs args, ffi::Any* rv) {
   check_arity("set_onednn_gemm", args, 1);
   gemm_onednn = AT_MKLDNN_ENABLED() && args[0].cast<bool>();
-  *rv = gemm_onednn;
+  *rv = gemm_onednn.load();
 }
 
 // "onednn" or "aten": the library that ratex.lib.mm_out, bmm_out and addmm_out (`matmul`
