@@ -15,7 +15,9 @@ Printed per mode: ms per step of the program run whole (lazy, script: without th
 eager: a step without the profiler), the sum of the timed calls split into GEMM (mm, addmm,
 bmm, matmul, convolutions: the same PyTorch kernels in both systems) and the rest, then the
 --top calls by time per step. The instrument costs a few µs a call, so ratex's sum exceeds the
-whole run by about that times the calls per step.
+whole run by about that times the calls per step. Eager's fused attention
+(_scaled_dot_product_flash_attention_for_cpu and its backward) does its own products inside and
+counts as "other"; ratex's lazy path computes attention as bmm + softmax, whose bmm are GEMM.
 """
 import argparse
 import collections
