@@ -12,9 +12,11 @@ steps. Then:
   is named by the ATen op it runs) and the VM's builtins (allocation, tuple access).
 
 Printed per mode: ms per step of the program run whole (lazy, script: without the instrument;
-eager: a step without the profiler), the sum of the timed calls split into GEMM (mm, addmm,
-bmm, matmul, convolutions: the same PyTorch kernels in both systems) and the rest, then the
---top calls by time per step. The instrument costs a few µs a call, so ratex's sum exceeds the
+eager: a step without the profiler), wall and CPU time, the sum of the timed calls split into GEMM
+(mm, addmm, bmm, matmul, convolutions: PyTorch's kernels in both systems, MKL's sgemm in eager's
+and, for large float32 products, oneDNN's in ratex's native kernels) and the rest, then the --top
+calls by time per step. ratex's calls are timed in CPU time of the thread running the program
+(a busy machine inflates wall time), eager's ops in torch.profiler's wall time. The instrument costs a few µs a call, so ratex's sum exceeds the
 whole run by about that times the calls per step. Eager's fused attention
 (_scaled_dot_product_flash_attention_for_cpu and its backward) does its own products inside and
 counts as "other"; ratex's lazy path computes attention as bmm + softmax, whose bmm are GEMM.
@@ -81,11 +83,12 @@ def profile_eager(model_name, warmup, repeats):
     import torch
 
     step, _, _ = _setup(model_name, "eager", warmup)
-    walls = []
+    walls, cpus = [], []
     for i in range(repeats):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         step(warmup + i)
         walls.append(time.perf_counter() - t0)
+        cpus.append(time.process_time() - c0)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         for i in range(repeats):
             step(warmup + repeats + i)
@@ -93,7 +96,7 @@ def profile_eager(model_name, warmup, repeats):
     for event in prof.key_averages():
         if event.self_cpu_time_total > 0:
             calls[event.key] = (event.self_cpu_time_total / 1e3 / repeats, event.count / repeats)
-    return {"whole_ms": statistics.median(walls) * 1e3, "calls": calls}
+    return {"whole_ms": statistics.median(walls) * 1e3, "whole_cpu_ms": statistics.median(cpus) * 1e3, "calls": calls}
 
 
 def profile_ratex(model_name, mode, warmup, repeats):
@@ -118,14 +121,15 @@ def profile_ratex(model_name, mode, warmup, repeats):
 
     vm = relax.VirtualMachine(program.executable, program.device)
     fn = vm["main"]
-    walls = []
+    walls, cpus = [], []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         fn(*inputs)
         walls.append(time.perf_counter() - t0)
+        cpus.append(time.thread_time() - c0)
     times = collections.defaultdict(list)  # name -> seconds of each call, all runs together
     started = []
-    clock = time.perf_counter
+    clock = time.thread_time  # the program runs on this thread: CPU time, which a busy machine inflates less
 
     def instrument(func, symbol, before, _ret, *args):
         if before:
@@ -143,14 +147,14 @@ def profile_ratex(model_name, mode, warmup, repeats):
     for _ in range(repeats):
         fn(*inputs)
     calls = {name: (sum(ts) * 1e3 / repeats, len(ts) / repeats) for name, ts in times.items()}
-    return {"whole_ms": statistics.median(walls) * 1e3, "calls": calls}
+    return {"whole_ms": statistics.median(walls) * 1e3, "whole_cpu_ms": statistics.median(cpus) * 1e3, "calls": calls}
 
 
 def _report(mode, r, top):
     calls = r["calls"]
     gemm = sum(ms for name, (ms, _) in calls.items() if name in GEMM)
     total = sum(ms for ms, _ in calls.values())
-    print(f"\n{mode}: {r['whole_ms']:.2f} ms/step run whole; timed calls {total:.2f} ms = "
+    print(f"\n{mode}: {r['whole_ms']:.2f} ms/step run whole ({r['whole_cpu_ms']:.2f} ms CPU); timed calls {total:.2f} ms = "
           f"GEMM {gemm:.2f} + other {total - gemm:.2f}")
     print(f"  {'ms/step':>8} {'calls':>6}  name")
     for name, (ms, n) in sorted(calls.items(), key=lambda kv: -kv[1][0])[:top]:
