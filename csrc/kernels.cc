@@ -26,6 +26,7 @@
 #include <ATen/ops/conv_transpose2d.h>
 #include <ATen/ops/convolution.h>
 #include <ATen/ops/convolution_backward.h>
+#include <ATen/ops/embedding_dense_backward.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
 #include <ATen/ops/gelu.h>
@@ -35,6 +36,9 @@
 #include <ATen/ops/max_pool2d_with_indices_backward.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/zeros.h>
+#include <ATen/Config.h>
+#include <ATen/Context.h>
+#include <ATen/Parallel.h>
 #include <c10/core/InferenceMode.h>
 #include <tvm/ffi/container/array.h>
 #include <tvm/ffi/extra/c_env_api.h>
@@ -47,12 +51,23 @@
 #include <c10/cuda/CUDAStream.h>
 #endif
 
+#include <algorithm>
+#include <atomic>
 #include <cctype>
 #include <cstdlib>
 #include <optional>
 #include <string>
 #include <utility>
 #include <vector>
+
+#if AT_MKLDNN_ENABLED()
+namespace at::native {
+// ATen's oneDNN product (ATen/native/mkldnn/Matmul.h, a header torch does not install):
+// result = beta * result + alpha * (mat1 @ mat2) for 2-D or 3-D operands of any strides.
+TORCH_API void mkldnn_matmul(const at::Tensor& mat1, const at::Tensor& mat2, const at::Tensor& result, float beta,
+                             float alpha);
+}  // namespace at::native
+#endif
 
 namespace {
 
@@ -313,22 +328,121 @@ void check_arity(const char* name, const ffi::PackedArgs& args, int n) {
 // ---------------------------------------------------------------------------------------
 // The kernels (argument order as in ratex/core/kernels.py).
 
+// Float32 products on the CPU: oneDNN or ATen's own choice (MKL's sgemm).
+//
+// ATen runs a float32 mm/bmm as MKL's sgemm. MKL takes its AVX-512 kernels only on Intel
+// CPUs; elsewhere (AMD's Zen 4 and 5, which have AVX-512) it runs a generic path at half the
+// speed or less, while oneDNN, which picks its kernels by the ISA the CPU reports, runs the same
+// product several times faster there (scripts/kernel_profile.py shows the products as most of an
+// MLP's or a transformer's training step). oneDNN has a fixed cost per call that small products
+// do not amortize and is far slower for matrix-vector shapes, so those stay with ATen. `gemm_onednn`
+// (ratex.lib.set_onednn_gemm, from RATEX_ONEDNN_GEMM) turns the path off.
+std::atomic<bool> gemm_onednn{AT_MKLDNN_ENABLED()};  // off too once oneDNN refuses a product (onednn_matmul)
+constexpr int64_t kOneDnnMinMacs = int64_t(1) << 21;
+constexpr int64_t kOneDnnMinSide = 8;
+
+// Whether out = a @ b (2-D, or 3-D of one batch) goes to oneDNN; see above.
+bool onednn_product(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out) {
+  if (!gemm_onednn || !out.device().is_cpu() || !at::globalContext().userEnabledMkldnn()) return false;
+  for (const at::Tensor* t : {&a, &b, &out}) {
+    if (t->scalar_type() != at::kFloat) return false;
+  }
+  int64_t d = a.dim();
+  if ((d != 2 && d != 3) || b.dim() != d || out.dim() != d || !out.is_contiguous()) return false;
+  int64_t batch = d == 3 ? a.size(0) : 1, m = a.size(-2), k = a.size(-1), n = b.size(-1);
+  if (d == 3 && (b.size(0) != batch || out.size(0) != batch)) return false;
+  if (b.size(-2) != k || out.size(-2) != m || out.size(-1) != n) return false;  // ATen says what is wrong
+  return std::min({m, k, n}) >= kOneDnnMinSide && batch * m * k * n >= kOneDnnMinMacs;
+}
+
+struct Operands {
+  at::Tensor a, b, out;
+};
+
+// matmul's a @ b -> out as 2-D or 3-D products, without copies: a's batch dimensions folded into
+// its rows where b is a matrix (a row-major a, as ATen's matmul folds it), or the batch
+// dimensions of both merged into one; else the operands as they are.
+Operands folded(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out) {
+  if (out.dim() != a.dim() || !out.is_contiguous()) return {a, b, out};
+  if (a.dim() > 2 && b.dim() == 2 && a.stride(-1) == 1 && a.stride(-2) == a.size(-1)) {
+    at::Tensor rows = a.flatten(0, -2);
+    if (rows.is_alias_of(a)) return {rows, b, out.flatten(0, -2)};
+  } else if (a.dim() > 3 && b.dim() == a.dim()) {
+    at::Tensor a3 = a.flatten(0, -3), b3 = b.flatten(0, -3);
+    if (a3.is_alias_of(a) && b3.is_alias_of(b)) return {a3, b3, out.flatten(0, -3)};
+  }
+  return {a, b, out};
+}
+
+// out = beta * out + alpha * (a @ b) through oneDNN, where onednn_product(a, b, out); false
+// where oneDNN refused the product (a torch or CPU whose oneDNN takes no float32 matmul): the
+// path is then off for the process, and the caller computes the product with ATen, which
+// writes all of `out`.
+bool onednn_matmul(const Operands& p, double beta, double alpha) {
+#if AT_MKLDNN_ENABLED()
+  at::internal::lazy_init_num_threads();  // oneDNN's OpenMP on this thread: torch's thread count, as MKL's
+  try {
+    at::native::mkldnn_matmul(p.a, p.b, p.out, static_cast<float>(beta), static_cast<float>(alpha));
+    return true;
+  } catch (const c10::Error&) {
+    gemm_onednn = false;
+  }
+#endif
+  return false;
+}
+
+void matmul_into(const at::Tensor& a, const at::Tensor& b, at::Tensor& out) {
+  Operands p = folded(a, b, out);
+  if (onednn_product(p.a, p.b, p.out) && onednn_matmul(p, 0, 1)) return;
+  at::matmul_out(out, a, b);
+}
+
+template <at::Tensor& (*Product)(at::Tensor&, const at::Tensor&, const at::Tensor&)>
+void product_into(const at::Tensor& a, const at::Tensor& b, at::Tensor& out) {
+  if (onednn_product(a, b, out) && onednn_matmul({a, b, out}, 0, 1)) return;
+  Product(out, a, b);
+}
+
 // mm_out, bmm_out, matmul_out: (a, b, attrs {"ta", "tb"}, out), the flags folding a swap of
 // an operand's last two axes into a strided view.
-template <at::Tensor& (*Product)(at::Tensor&, const at::Tensor&, const at::Tensor&)>
+template <void (*Product)(const at::Tensor&, const at::Tensor&, at::Tensor&)>
 void product_out(ffi::PackedArgs args, ffi::Any*) {
   check_arity("mm_out/bmm_out/matmul_out", args, 4);
   Json cfg = attrs_of(args[2]);
   at::Tensor out = tensor_arg(args, 3);
-  Product(out, maybe_t(tensor_arg(args, 0), cfg["ta"].as_bool()), maybe_t(tensor_arg(args, 1), cfg["tb"].as_bool()));
+  Product(maybe_t(tensor_arg(args, 0), cfg["ta"].as_bool()), maybe_t(tensor_arg(args, 1), cfg["tb"].as_bool()), out);
 }
 
 void addmm_out(ffi::PackedArgs args, ffi::Any*) {
   check_arity("addmm_out", args, 5);
   Json cfg = attrs_of(args[3]);
-  at::Tensor out = tensor_arg(args, 4);
-  at::addmm_out(out, tensor_arg(args, 0), maybe_t(tensor_arg(args, 1), cfg["ta"].as_bool()),
-                maybe_t(tensor_arg(args, 2), cfg["tb"].as_bool()), cfg["beta"].as_double(), cfg["alpha"].as_double());
+  at::Tensor out = tensor_arg(args, 4), bias = tensor_arg(args, 0);
+  at::Tensor a = maybe_t(tensor_arg(args, 1), cfg["ta"].as_bool()), b = maybe_t(tensor_arg(args, 2), cfg["tb"].as_bool());
+  double beta = cfg["beta"].as_double(), alpha = cfg["alpha"].as_double();
+  // oneDNN adds what `out` holds (scaled by beta): the bias, broadcast, goes there first. With
+  // beta 0 the bias is not read at all, as addmm ignores it (NaN included).
+  if (onednn_product(a, b, out) && bias.dim() <= 2) {
+    if (beta != 0) out.copy_(bias.expand_as(out));
+    if (onednn_matmul({a, b, out}, beta, alpha)) return;
+  }
+  at::addmm_out(out, bias, a, b, beta, alpha);
+}
+
+void set_onednn_gemm(ffi::PackedArgs args, ffi::Any* rv) {
+  check_arity("set_onednn_gemm", args, 1);
+  gemm_onednn = AT_MKLDNN_ENABLED() && args[0].cast<bool>();
+  *rv = gemm_onednn.load();
+}
+
+// "onednn" or "aten": the library that ratex.lib.mm_out, bmm_out and addmm_out (`matmul`
+// false) or matmul_out (true) run a @ b -> out on; args (a, b, attrs {"ta", "tb"}, out, matmul).
+void gemm_library(ffi::PackedArgs args, ffi::Any* rv) {
+  check_arity("gemm_library", args, 5);
+  Json cfg = attrs_of(args[2]);
+  Operands p{maybe_t(tensor_arg(args, 0), cfg["ta"].as_bool()), maybe_t(tensor_arg(args, 1), cfg["tb"].as_bool()),
+             tensor_arg(args, 3)};
+  if (args[4].cast<bool>()) p = folded(p.a, p.b, p.out);
+  *rv = ffi::String(onednn_product(p.a, p.b, p.out) ? "onednn" : "aten");
 }
 
 void convolution(ffi::PackedArgs args, ffi::Any* rv) {
@@ -474,6 +588,10 @@ void aten_out(ffi::PackedArgs args, ffi::Any* rv) {
     at::gelu_out(out, tensor(0, "self"), approximate(1));
   } else if (op == "aten.gelu_backward.default") {
     at::gelu_backward_out(out, tensor(0, "grad_output"), tensor(1, "self"), approximate(2));
+  } else if (op == "aten.embedding_dense_backward.default") {
+    at::embedding_dense_backward_out(out, tensor(0, "grad_output"), tensor(1, "indices"),
+                                     required(2, "num_weights").as_int(), required(3, "padding_idx").as_int(),
+                                     required(4, "scale_grad_by_freq").as_bool());
   } else if (aten_out_fallback != nullptr) {
     aten_out_fallback->CallPacked(args.data(), args.size(), rv);
   } else {
@@ -531,10 +649,12 @@ extern "C" int RatexRegisterNativeKernels() {
     aten_out_fallback = new ffi::Function(*previous);
   }
   const std::pair<const char*, ffi::Function> kernels[] = {
-      {"mm_out", kernel<product_out<at::mm_out>>("mm_out")},
+      {"mm_out", kernel<product_out<product_into<at::mm_out>>>("mm_out")},
       {"addmm_out", kernel<addmm_out>("addmm_out")},
-      {"bmm_out", kernel<product_out<at::bmm_out>>("bmm_out")},
-      {"matmul_out", kernel<product_out<at::matmul_out>>("matmul_out")},
+      {"bmm_out", kernel<product_out<product_into<at::bmm_out>>>("bmm_out")},
+      {"matmul_out", kernel<product_out<matmul_into>>("matmul_out")},
+      {"set_onednn_gemm", kernel<set_onednn_gemm>("set_onednn_gemm")},
+      {"gemm_library", kernel<gemm_library>("gemm_library")},
       {"aten_out", kernel<aten_out>("aten_out")},
       {"convolution", kernel<convolution>("convolution")},
       {"convolution_backward", kernel<convolution_backward>("convolution_backward")},

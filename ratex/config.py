@@ -130,6 +130,9 @@ NATIVE_RUNNER = _flag("RATEX_NATIVE_RUNNER", True)
 # Library kernels from the C++ library (csrc/kernels.cc), which never takes the GIL; false (or no
 # native library) keeps the Python versions of the same kernels (ratex/core/kernels.py).
 NATIVE_KERNELS = _flag("RATEX_NATIVE_KERNELS", True)
+# The native kernels run large float32 matmuls on the CPU through oneDNN rather than ATen's
+# MKL sgemm (csrc/kernels.cc says when and why); false keeps ATen's for all of them.
+ONEDNN_GEMM = _flag("RATEX_ONEDNN_GEMM", True)
 
 # ---- the compile cache ----------------------------------------------------------------------
 CACHE_DIR = _cache_dir()  # None: no persistent compile cache

@@ -63,9 +63,11 @@ def _train(model, make_opt, batches, loss_fn, compiled, set_to_none=True, **comp
     return losses, model, compiles
 
 
-def _assert_trains_like_eager(model, make_opt, batches, loss_fn=F.cross_entropy, noise=None, **kwargs):
+def _assert_trains_like_eager(model, make_opt, batches, loss_fn=F.cross_entropy, noise=None, param_atol=ATOL,
+                              **kwargs):
     """Train eagerly and compiled; assert equal losses and parameters (and buffers). `noise(name,
-    tensor)`: the part of a parameter whose updates are float noise, compared at a coarser scale."""
+    tensor)`: the part of a parameter whose updates are float noise, compared at a coarser scale;
+    `param_atol`: the parameters' absolute tolerance."""
     want, ref, _ = _train(model, make_opt, batches, loss_fn, False)
     got, trained, compiles = _train(model, make_opt, batches, loss_fn, True, **kwargs)
     torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
@@ -75,7 +77,7 @@ def _assert_trains_like_eager(model, make_opt, batches, loss_fn=F.cross_entropy,
             torch.testing.assert_close(b[part], a[part], rtol=0, atol=len(batches) * 1e-3)
             a, b = a.clone(), b.clone()
             a[part] = b[part] = 0
-        torch.testing.assert_close(b, a, rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(b, a, rtol=RTOL, atol=param_atol, msg=lambda m: f"{name}: {m}")
     return compiles
 
 
@@ -87,6 +89,14 @@ def _attention_key_bias(name, value):
         return None
     d = value.shape[0] // 3
     return slice(d, 2 * d)
+
+
+# AdamW divides each gradient by its running magnitude, so an element whose gradient is small
+# moves by a fraction of lr that the gradient's rounding decides. The GPT's products are large
+# enough for the native kernels' oneDNN (csrc/kernels.cc), whose float32 sums round differently
+# from eager's MKL: after 5 steps its weights differ from a float64 run's by up to ~3e-5, eager's
+# by up to ~1.5e-5. A wrong update is off by about lr (1e-3) a step.
+_ADAMW_LARGE_PRODUCTS = {"gpt2l-b8": 1e-4}
 
 
 def _no_dropout(model):
@@ -109,7 +119,8 @@ def test_bench_model_trains_like_eager(name):
     torch.manual_seed(0)
     model = _no_dropout(spec.build())
     batches = [spec.batches(1)[i % POOL] for i in range(5)]
-    compiles = _assert_trains_like_eager(model, spec.optimizer, batches, spec.loss, noise=_attention_key_bias)
+    compiles = _assert_trains_like_eager(model, spec.optimizer, batches, spec.loss, noise=_attention_key_bias,
+                                         param_atol=_ADAMW_LARGE_PRODUCTS.get(name, ATOL))
     # Step 1: forward, backward, optimizer step. SGD with momentum makes its buffers in step 1,
     # so dynamo captures the optimizer step again in step 2 (its guards see the new state);
     # AdamW's state is made when dynamo traces step 1. Nothing compiles after that.

@@ -250,3 +250,45 @@ def test_scripted_gelu_tanh_trains_with_the_python_kernels():
 
     want = losses("cpu")
     assert losses("lazy") == pytest.approx(want, rel=1e-4, abs=1e-6)
+
+
+def test_embedding_gradients_run_by_aten(tmp_path, monkeypatch):
+    """The lazy path's embedding_dense_backward (padding row, scaled by frequency) and relax
+    Gradient's take_backward (a scripted embedding) call ATen's kernel: TVM's scatter-add loop
+    is far slower. Results as CPU PyTorch's."""
+    import torch
+
+    import ratex.lazy_tensor_core.core.lazy_model as lm
+    from ratex import config
+    from ratex.core import sync
+
+    aten = torch.ops.aten
+    g = torch.Generator().manual_seed(0)
+    idx, grad = torch.tensor([[1, 3, 1], [0, 3, 4]]), torch.randn(2, 3, 4, generator=g)
+    dev = lm.lazy_device()
+    ir = tmp_path / "ir.txt"
+    monkeypatch.setattr(config, "SAVE_IR", str(ir))
+    monkeypatch.setattr(config, "KERNELS", "AUTO")
+    sync.reset_cache()
+    for padding_idx, by_freq in ((-1, False), (3, True)):
+        got = aten.embedding_dense_backward(grad.to(dev), idx.to(dev), 6, padding_idx, by_freq).cpu()
+        torch.testing.assert_close(got, aten.embedding_dense_backward(grad, idx, 6, padding_idx, by_freq))
+    assert ir.read_text().count('"ratex.lib.aten_out"') == 2
+    sync.reset_cache()
+
+    bb = relax.BlockBuilder()
+    dy = relax.Var("dy", relax.TensorType((5, 4), "float32"))
+    table = relax.Var("table", relax.TensorType((6, 4), "float32"))
+    rows = relax.Var("rows", relax.TensorType((5,), "int64"))
+    with bb.function("main", [dy, table, rows]):
+        with bb.dataflow():
+            out = bb.emit_output(relax.op.grad.take_backward(dy, table, rows, axis=0))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    assert '"aten.embedding_dense_backward.default"' in library_dispatch(mod).script().replace('\\"', '"')
+    args = [torch.randn(5, 4, generator=g), torch.randn(6, 4, generator=g), torch.tensor([1, 5, 1, 0, 2])]
+    want = torch.zeros(6, 4).index_add_(0, args[2], args[0])
+    for library in (True, False):
+        vm = relax.VirtualMachine(build(mod, resolve_target("CPU"), Options(library=library)), tvm.cpu())
+        got = torch.from_dlpack(vm["main"](*(tvm.runtime.from_dlpack(a) for a in args)))
+        torch.testing.assert_close(got, want)

@@ -15,6 +15,7 @@ from torch import nn
 
 import ratex
 import ratex.core.kernels as K
+from ratex import config
 from test_training import train
 
 pytestmark = pytest.mark.skipif(
@@ -103,6 +104,79 @@ def test_matmuls_with_transposed_operands(ta, tb):
     b3 = _randn(*((2, 4, 5) if tb else (2, 5, 4)), seed=4)
     got = _native("bmm_out", a3, b3, attrs={"ta": ta, "tb": tb}, out=torch.empty(2, 3, 4))
     torch.testing.assert_close(got, torch.bmm(_t(a3, ta), _t(b3, tb)))
+
+
+def _gemm_library(a, b, out, ta=False, tb=False, matmul=False):
+    return str(tvm.get_global_func("ratex.lib.gemm_library")(_tvm(a), _tvm(b), json.dumps({"ta": ta, "tb": tb}),
+                                                             _tvm(out), matmul))
+
+
+def _close(got, want):
+    """float32 products of 256-long sums against float64 ones: rounding, not a wrong sum."""
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=2e-4)
+
+
+@pytest.mark.parametrize("ta", [False, True])
+@pytest.mark.parametrize("tb", [False, True])
+def test_large_float32_products_run_on_onednn(ta, tb):
+    # 64 x 256 x 136: above csrc/kernels.cc's threshold for oneDNN
+    a, b = _randn(*((256, 64) if ta else (64, 256))), _randn(*((136, 256) if tb else (256, 136)), seed=1)
+    want = _t(a, ta).double() @ _t(b, tb).double()
+    out = torch.empty(64, 136)
+    assert _gemm_library(a, b, out, ta, tb) == "onednn"
+    _close(_native("mm_out", a, b, attrs={"ta": ta, "tb": tb}, out=out), want)
+
+    for bias in (_randn(136, seed=2), _randn(64, 136, seed=3), _randn(64, 1, seed=4), torch.tensor(3.0)):
+        attrs = {"ta": ta, "tb": tb, "beta": 0.5, "alpha": 2.0}
+        got = _native("addmm_out", bias, a, b, attrs=attrs, out=torch.full((64, 136), 7.0))
+        _close(got, 0.5 * bias.double() + 2.0 * want)
+    # beta 0: the bias is not read, as torch.addmm ignores it, NaN included
+    attrs = {"ta": ta, "tb": tb, "beta": 0, "alpha": 1}
+    _close(_native("addmm_out", torch.full((136,), float("nan")), a, b, attrs=attrs, out=torch.empty(64, 136)), want)
+
+    a3 = _randn(*((3, 256, 64) if ta else (3, 64, 256)), seed=5)
+    b3 = _randn(*((3, 136, 256) if tb else (3, 256, 136)), seed=6)
+    out3 = torch.empty(3, 64, 136)
+    assert _gemm_library(a3, b3, out3, ta, tb) == "onednn"
+    _close(_native("bmm_out", a3, b3, attrs={"ta": ta, "tb": tb}, out=out3), _t(a3, ta).double() @ _t(b3, tb).double())
+    # matmul: 4-d batches merged into one, a 3-d row-major operand's batch folded into its rows
+    a4, b4 = a3.reshape(3, 1, *a3.shape[1:]), b3.reshape(3, 1, *b3.shape[1:])
+    out4 = torch.empty(3, 1, 64, 136)
+    assert _gemm_library(a4, b4, out4, ta, tb, matmul=True) == "onednn"
+    _close(_native("matmul_out", a4, b4, attrs={"ta": ta, "tb": tb}, out=out4), _t(a4, ta).double() @ _t(b4, tb).double())
+    rows = _randn(2, 32, 256, seed=7)
+    out = torch.empty(2, 32, 136)
+    assert _gemm_library(rows, b, out, False, tb, matmul=True) == "onednn"
+    _close(_native("matmul_out", rows, b, attrs={"ta": False, "tb": tb}, out=out), rows.double() @ _t(b, tb).double())
+
+
+def test_small_skinny_and_other_products_stay_with_aten():
+    def library(m, k, n, dtype=torch.float32):
+        return _gemm_library(torch.zeros(m, k, dtype=dtype), torch.zeros(k, n, dtype=dtype), torch.zeros(m, n, dtype=dtype))
+
+    assert library(64, 256, 136) == "onednn"
+    assert library(64, 120, 84) == "aten"  # oneDNN's fixed cost per call outweighs its speed
+    assert library(1, 4096, 4096) == "aten"  # a matrix-vector product: oneDNN's is far slower
+    assert library(4096, 4096, 4) == "aten"
+    assert library(64, 256, 136, torch.float64) == "aten"  # oneDNN has no float64 matmul
+    # matmul whose batch broadcasts: ATen's matmul
+    out = torch.empty(3, 64, 136)
+    assert _gemm_library(_randn(3, 64, 256), _randn(1, 256, 136), out, matmul=True) == "aten"
+    off = tvm.get_global_func("ratex.lib.set_onednn_gemm")
+    try:
+        assert not off(False)  # RATEX_ONEDNN_GEMM=0
+        assert library(64, 256, 136) == "aten"
+    finally:
+        off(config.ONEDNN_GEMM)
+
+
+def test_opt_out_keeps_products_on_aten():
+    code = ("import json, torch, tvm, ratex.core.kernels; z = tvm.runtime.from_dlpack; "
+            "print(tvm.get_global_func('ratex.lib.gemm_library')(z(torch.zeros(64, 256)), z(torch.zeros(256, 136)), "
+            "json.dumps({'ta': False, 'tb': False}), z(torch.zeros(64, 136)), False))")
+    env = {**os.environ, "RATEX_ONEDNN_GEMM": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["aten"]
 
 
 _CONVS = [  # (x, w, attrs of aten.convolution)

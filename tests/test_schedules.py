@@ -12,7 +12,7 @@ pytestmark = [pytest.mark.usefixtures("seeded", "tvm_kernels"), pytest.mark.cpu_
 
 @pytest.mark.parametrize("shape,dims", [((64, 48), [0]), ((5, 3, 32), [0, 1]), ((4, 7, 16, 3), [0, 3]), ((33, 10), [1]),
                                         ((64, 128), [1]), ((8, 16, 48), [1, 2]), ((16, 6, 28, 28), [0, 2, 3]),
-                                        ((9, 5, 6, 6), [0, 2, 3])])
+                                        ((9, 5, 6, 6), [0, 2, 3]), ((64, 1000), [0]), ((5, 3, 40), [0, 1])])
 def test_reductions_over_leading_and_trailing_dims(shape, dims):
     # sum over a non-contiguous axis has its own CPU schedule (ColumnReduction in schedules.py),
     # and so has one over the contiguous axes of a large enough input (RowReduction)
@@ -31,6 +31,12 @@ def test_column_reduction_of_a_product():
     i, j = te.reduce_axis((0, 4)), te.reduce_axis((0, 8))
     out = te.compute((32,), lambda k: te.sum(prod[i, j, k], axis=[i, j]), name="out")
     assert ColumnReduction().apply(te.create_prim_func([a, b, out]), resolve_target("CPU").tvm, False) is not None
+    # rows of 1000 (an LM head's bias gradient): vectors of 8 lanes
+    wide = te.placeholder((64, 1000), name="wide")
+    r = te.reduce_axis((0, 64))
+    bias = te.compute((1000,), lambda k: te.sum(wide[r, k], axis=r), name="bias")
+    sch = ColumnReduction().apply(te.create_prim_func([wide, bias]), resolve_target("CPU").tvm, False)
+    assert sch is not None and "T.vectorized(8)" in sch.mod["main"].script()
     check(lambda x, y: ((x * y).sum([0, 1]), (x * y).sum(0)), rnd(4, 8, 32), rnd(4, 8, 32), ops=["sum.dim_IntList"])
 
 
@@ -115,6 +121,30 @@ def test_elementwise_schedule_keeps_costly_producers_loops_of_their_own():
     sch = Injective().apply(te.create_prim_func([seed, half]), resolve_target("CPU").tvm, False)
     assert sch is not None
     assert sch.get_sblock("random_bits") is not None  # raises if it was inlined away
+
+
+def test_transposing_copies_are_tiled():
+    """A copy whose read runs contiguously along another loop than the write's (attention's head
+    transposes, behind reshapes that inlining turns into div/mod chains) is cut into square
+    tiles, vectorized along the write; a plain elementwise kernel keeps its one vector loop.
+    Transposes through reshapes, of odd sizes too, still compute what CPU PyTorch does."""
+    from tvm import te, tirx
+    from tvm_lowering.pipeline import resolve_target
+    from tvm_lowering.schedules import Injective
+
+    target = resolve_target("CPU").tvm
+    x = te.placeholder((3, 128, 8, 256), name="x")
+    heads = te.compute((128, 32, 64), lambda t, h, d: x[1, t, h // 4, (h % 4) * 64 + d], name="heads")
+    keys = te.compute((32, 64, 128), lambda h, d, t: heads[t, h, d] * 0.125, name="keys")
+    sch = Injective().apply(te.create_prim_func([x, keys]), target, False)
+    loops = [sch.get(loop) for loop in sch.get_loops(sch.get_sblock("keys"))]
+    assert [int(loop.extent) for loop in loops[-2:]] == [16, 16]
+    assert loops[-1].kind == tirx.ForKind.VECTORIZED and loops[0].kind == tirx.ForKind.PARALLEL
+    plain = te.compute((128, 32, 64), lambda t, h, d: heads[t, h, d] + 1.0, name="plain")
+    sch = Injective().apply(te.create_prim_func([x, plain]), target, False)
+    assert [int(sch.get(loop).extent) for loop in sch.get_loops(sch.get_sblock("plain"))][-1] == 16
+    check(lambda a, b: (a.view(48, 4, 32).transpose(0, 2) * 0.5, b.t() + 1),
+          rnd(8, 3, 256), rnd(60, 90), ops=["transpose.int", "t.default"])
 
 
 def test_contraction_schedule_tiles_products_and_leaves_the_rest():

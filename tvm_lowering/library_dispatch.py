@@ -1,4 +1,4 @@
-"""A Relax pass that sends heavy ops (convolutions, matmul, pooling gradients, softmax, GELU) to the kernel library.
+"""A Relax pass that sends heavy ops (convolutions, matmul, pooling and embedding gradients, softmax, GELU) to the kernel library.
 
 The ATen-level rules in ops/library.py cover ops that arrive as ATen calls;
 this pass covers what is only Relax by the time it exists — the functions
@@ -100,6 +100,8 @@ class _Dispatch(relax.PyExprMutator):
         if name == "relax.matmul" and all(_dtype(x) == _dtype(call) for x in call.args):
             (a, ta), (b, tb) = (self._untransposed(x) for x in call.args)
             return out_call("matmul", [a, b], {"ta": ta, "tb": tb}, call.ty)
+        if name == "relax.grad.take_backward":
+            return _either(self._take_backward(call), call)
         if name in _ATEN_CALLS:
             op, extra = _ATEN_CALLS[name]
             return aten_call(op, list(call.args), [{"tensor": 0}, *extra(a)], {}, call.ty)
@@ -121,6 +123,19 @@ class _Dispatch(relax.PyExprMutator):
             ceil_mode=bool(int(a.ceil_mode)), count_include_pad=bool(int(a.count_include_pad)),
         )
         return self._packed(name, call, [*call.args, cfg])
+
+    def _take_backward(self, call):
+        """relax Gradient's gradient of take along axis 0 of a matrix (an embedding), run by ATen's
+        embedding_dense_backward: TVM's is a serial scatter-add loop, far slower on the GPT
+        benchmark's table. take's indices are 1-d, and a differentiated take's are clamped
+        (ops/bounds.py)."""
+        grad, x, indices = call.args
+        if call.attrs.axis is None or int(call.attrs.axis) != 0 or len(x.ty.shape) != 2:
+            return None
+        if _dtype(indices) not in ("int32", "int64") or len(indices.ty.shape) != 1:
+            return None
+        template = [{"tensor": 0}, {"tensor": 1}, int(x.ty.shape[0]), -1, False]
+        return aten_call("aten.embedding_dense_backward.default", [grad, indices], template, {}, call.ty)
 
     def _conv2d_weight_grad(self, call):
         """relax Gradient's weight gradient of an NCHW conv: a conv of the input (read as CNHW)
@@ -184,7 +199,7 @@ def _products_macs(name, call) -> int:
 
 def library_dispatch_pass(min_macs: int = 0):
     """The pass rewriting conv2d / conv2d_transpose / matmul calls of at least `min_macs`
-    multiply-adds, pooling gradients, softmax and GELU into ratex.lib.* packed calls."""
+    multiply-adds, pooling and embedding gradients, softmax and GELU into ratex.lib.* packed calls."""
 
     @tvm.transform.module_pass(opt_level=0, name="RatexLibraryDispatch")
     def dispatch(mod, _ctx):

@@ -67,7 +67,8 @@ def _fuse_elementwise(sch, infos):
 
 
 def _vectorize_block(sch, block_rv):
-    """Parallel outer and vectorized inner loop for a block of fixed, large enough extents."""
+    """Parallel outer and vectorized inner loop for a block of fixed, large enough extents; tiles
+    of a transposing block (`_transposing_loop`)."""
     loops = sch.get_loops(block_rv)
     extents = [get_extent(sch, loop) for loop in loops]
     if not loops or any(not isinstance(e, int) or e <= 0 for e in extents):
@@ -77,7 +78,132 @@ def _vectorize_block(sch, block_rv):
         # an expand of one element: "buffer's dtype is uint16 ... RHS's dtype is bfloat16x16"):
         # a bfloat16 block runs its outer loops in parallel and leaves the innermost to LLVM.
         vector = not any(str(w.source.dtype) == "bfloat16" for w in sch.get(block_rv).writes)
-        _vectorize_innermost(sch, loops, extents, vector)
+        across = _transposing_loop(sch.get(block_rv), extents) if vector else None
+        if across is not None:
+            _tile_transpose(sch, loops, extents, across)
+        else:
+            _vectorize_innermost(sch, loops, extents, vector)
+
+
+# A read whose address moves this many elements or more per step of the innermost loop reads
+# each element of a vector from another cache line.
+_STRIDED = _VECTOR
+
+
+def _transposing_loop(block, extents):
+    """The loop along which a read of the block runs contiguously where the innermost loop (the
+    write's contiguous axis) strides through that read: a transposing copy, possibly fused
+    with elementwise work; else None.
+
+    Vectorized along the innermost loop alone, each vector of such a block gathers its lanes a
+    row apart, and the loops outside walk whole columns of the read before coming back to the
+    next element of each row: the attention heads' transposes (through reshapes the inliner
+    leaves as div/mod chains) ran an order of magnitude slower than the plain copies they
+    fused. Strides are measured by evaluating each read's address at a few points of the
+    iteration space, which needs each loop to bind one block iterator, in order.
+    """
+    ivs = list(block.iter_vars)
+    if len(ivs) != len(extents) or len(ivs) < 2 or extents[-1] < 4:
+        return None
+    if any(not isinstance(iv.dom.extent, tirx.IntImm) or iv.dom.extent.value != e for iv, e in zip(ivs, extents)):
+        return None
+    names = [iv.var for iv in ivs]
+    points = [[(7 * j + 3 * k + 1) % max(e - 1, 1) for j, e in enumerate(extents)] for k in range(3)]
+    for load in _loads(block.body):
+        steps = [_address_step(load, names, points, k) for k in range(len(names))]
+        inner = steps[-1]
+        if inner is None or abs(inner) < _STRIDED:
+            continue
+        along = [k for k, step in enumerate(steps[:-1]) if step == 1 and extents[k] >= 4]
+        if along:
+            return along[-1]
+    return None
+
+
+def _tile_transpose(sch, loops, extents, across):
+    """Square tiles of the innermost loop and loop `across`: each tile reads a few rows of the
+    transposed input's cache lines and reuses them across its vector lanes (vectorized along the
+    innermost loop; the loops outside the tiles run in parallel)."""
+    lanes, height = _divisor(extents[-1], _VECTOR), _divisor(extents[across], _VECTOR)
+    v_out, v_in = sch.split(loops[-1], [None, lanes])
+    u_out, u_in = sch.split(loops[across], [None, height])
+    outer = [loop for k, loop in enumerate(loops[:-1]) if k != across] + [u_out, v_out]
+    sch.reorder(*outer, u_in, v_in)
+    sch.vectorize(v_in)
+    if math.prod(extents) >= _MIN_PARALLEL:
+        sch.parallel(sch.fuse(*outer))
+
+
+def _loads(expr):
+    """The buffer loads in an expression or a store's value (not those inside load indices)."""
+    if isinstance(expr, tirx.BufferStore):
+        return _loads(expr.value)
+    if isinstance(expr, _LOAD):
+        return [expr]
+    found = []
+    for name in ("a", "b", "value", "condition", "true_value", "false_value", "body"):
+        child = getattr(expr, name, None)
+        if isinstance(child, tirx.Expr):
+            found += _loads(child)
+    for child in getattr(expr, "args", None) or ():
+        if isinstance(child, tirx.Expr):
+            found += _loads(child)
+    return found
+
+
+def _address_step(load, names, points, k):
+    """How many elements the load's flat address moves when iterator k steps by one, the same at
+    every point; None where it differs or the address is not plain integer arithmetic."""
+    shape = [int(n) for n in load.source.shape] if all(isinstance(n, tirx.IntImm) for n in load.source.shape) else None
+    if not shape:
+        return None
+    steps = set()
+    for point in points:
+        at = dict(zip(names, point))
+        try:
+            here = _flat(load.indices, shape, at)
+            at[names[k]] += 1
+            there = _flat(load.indices, shape, at)
+        except _NotAffine:
+            return None
+        steps.add(there - here)
+    return steps.pop() if len(steps) == 1 else None
+
+
+class _NotAffine(Exception):
+    """An index `_value` cannot evaluate."""
+
+
+def _flat(indices, shape, at):
+    address = 0
+    for index, n in zip(indices, shape):
+        address = address * n + _value(index, at)
+    return address
+
+
+_INT_OPS = {
+    tirx.Add: lambda a, b: a + b, tirx.Sub: lambda a, b: a - b, tirx.Mul: lambda a, b: a * b,
+    tirx.FloorDiv: lambda a, b: a // b, tirx.FloorMod: lambda a, b: a % b, tirx.Min: min, tirx.Max: max,
+}
+
+
+def _value(expr, at):
+    """An integer index expression's value where the variables take the values `at`."""
+    if isinstance(expr, tirx.IntImm):
+        return int(expr.value)
+    if isinstance(expr, tirx.Var):
+        if expr in at:
+            return at[expr]
+        raise _NotAffine(expr)
+    if isinstance(expr, tirx.Cast) and "int" in str(expr.dtype):
+        return _value(expr.value, at)
+    op = _INT_OPS.get(type(expr))
+    if op is None:
+        raise _NotAffine(expr)
+    a, b = _value(expr.a, at), _value(expr.b, at)
+    if b == 0 and op in (_INT_OPS[tirx.FloorDiv], _INT_OPS[tirx.FloorMod]):
+        raise _NotAffine(expr)
+    return op(a, b)
 
 
 class Contraction(CPUScheduleRule):
@@ -286,8 +412,8 @@ class ColumnReduction(CPUScheduleRule):
     Unscheduled, it walks each output's reduced axis with a stride of a whole
     row (far slower than torch for a 1024x1024 sum). Scheduled: loops become
     [kept outer (parallel), reduced, kept middle (up to 16 vectors), kept inner
-    (16 lanes, vectorized)], so each step adds a contiguous run of a row into
-    the accumulators.
+    (16 lanes, or 8 or 4, vectorized)], so each step adds a contiguous run of a
+    row into the accumulators.
     """
 
     def apply(self, func, target, _tunable):
@@ -298,16 +424,21 @@ class ColumnReduction(CPUScheduleRule):
         loops = sch.get_loops(block)
         s_loops, r_loops = loops[: len(spatial)], loops[len(spatial):]
         extents = [get_extent(sch, loop) for loop in loops]
-        if any(not isinstance(e, int) for e in extents) or extents[len(spatial) - 1] % _VECTOR:
+        if any(not isinstance(e, int) for e in extents):
+            return None
+        # Vectors of 16 lanes, or of 8 or 4 where the row is not a multiple of 16 (an LM head's
+        # bias gradient: 1000 columns, left a serial column walk).
+        lanes = next((w for w in (_VECTOR, 8, 4) if extents[len(spatial) - 1] % w == 0), None)
+        if lanes is None:
             return None
         kept = sch.fuse(*s_loops) if len(s_loops) > 1 else s_loops[0]
         red = sch.fuse(*r_loops) if len(r_loops) > 1 else r_loops[0]
         # Each parallel task takes a chunk of up to 16 vectors of columns, so every row it adds
-        # is a 1 KB contiguous run (one 64-byte vector per row walks memory a row apart,
+        # is a contiguous run of up to 1 KB (one 64-byte vector per row walks memory a row apart,
         # slower than torch's).
         width = math.prod(extents[: len(spatial)])
-        vectors = next(v for v in (16, 8, 4, 2, 1) if width % (v * _VECTOR) == 0)
-        outer, mid, inner = sch.split(kept, [None, vectors, _VECTOR])
+        vectors = _divisor(width // lanes, 16)
+        outer, mid, inner = sch.split(kept, [None, vectors, lanes])
         sch.reorder(outer, red, mid, inner)
         sch.parallel(outer)
         sch.vectorize(inner)

@@ -237,6 +237,7 @@ def _load_native():
         return None
     if lib.RatexRegisterNativeKernels() != 0:
         raise RuntimeError(f"registering the native kernels of {_NATIVE_PATH} failed")
+    tvm.get_global_func("ratex.lib.set_onednn_gemm")(config.ONEDNN_GEMM)
     # The program runner (csrc/runner.cc); a library built before it existed has none.
     if hasattr(lib, "RatexRegisterRunner") and lib.RatexRegisterRunner() != 0:
         raise RuntimeError(f"registering the native program runner of {_NATIVE_PATH} failed")
