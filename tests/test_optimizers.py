@@ -142,6 +142,29 @@ def test_inplace_arith_matches_cpu(dev, name):
     torch.testing.assert_close(lazy_x.cpu(), x, equal_nan=True)
 
 
+LERP_CALLS = {  # each on (start, end) lists of float32 and float64 tensors; in-place ones return None
+    "lerp": lambda a, b, w: [x.lerp(y, w) for x, y in zip(a, b)],
+    "lerp_": lambda a, b, w: [x.lerp_(y, w) for x, y in zip(a, b)] and None,
+    "_foreach_lerp_ scalar": lambda a, b, w: torch._foreach_lerp_(a, b, w),
+    "_foreach_lerp_ scalarlist": lambda a, b, w: torch._foreach_lerp_(a, b, [w, w / 2]),
+}
+
+
+@pytest.mark.parametrize("weight", [0.1, 0.5, 0.95, -0.7, 1.0])
+@pytest.mark.parametrize("name", LERP_CALLS)
+def test_lerp_with_a_number_matches_cpu_to_the_bit(dev, name, weight):
+    """torch's lerp takes start + w * (end - start) for |w| < 0.5 and end - (end - start) * (1 - w)
+    otherwise, 1 - w in the tensor's precision (Muon's nesterov update is grad.lerp(buf, 0.95)):
+    the lazy device computes the same formula, to the bit."""
+    g = torch.Generator().manual_seed(4)
+    cpu = [[torch.randn(67, 33, generator=g, dtype=dt) for dt in (torch.float32, torch.float64)] for _ in range(2)]
+    lazy = [[t.to(dev) for t in ts] for ts in cpu]
+    got, want = LERP_CALLS[name](*lazy, weight), LERP_CALLS[name](*cpu, weight)
+    lm.mark_step()
+    for g_, w_ in zip(got or lazy[0], want or cpu[0]):
+        assert torch.equal(g_.cpu(), w_), (g_.cpu() - w_).abs().max()
+
+
 def test_inplace_arith_errors_match_cpu(dev):
     """In-place ops PyTorch refuses are refused alike: a float result into an int tensor, a write
     into an expanded tensor; the target keeps its value."""
