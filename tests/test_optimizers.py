@@ -124,6 +124,8 @@ INPLACE_CASES = {  # name: (target maker, op); each runs on lazy and CPU copies 
     "add_ into a transposed view": (lambda x, y: x, lambda t, o: t.t().add_(o.t(), alpha=-0.1)),
     "mul_ double": (lambda x, y: x.double(), lambda t, o: t.mul_(0.3)),
     "add_ int target": (lambda x, y: (x * 10).long(), lambda t, o: t.add_((o * 10).long(), alpha=3)),
+    # Muon: a bfloat16 update, transposed back, added to a float32 parameter with alpha = -lr
+    "add_ transposed bfloat16 other": (lambda x, y: x, lambda t, o: t.add_(o.t().contiguous().t().bfloat16(), alpha=-0.3)),
 }
 
 

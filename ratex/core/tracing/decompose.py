@@ -45,9 +45,20 @@ def _add_alpha(func):
                 if type(value) is Value and last is _call:
                     return LazyTensor.from_value(value.value)
                 return value
-        return last(func, a, value_op(aten.mul.Tensor, b, alpha))
+        return last(func, a, value_op(aten.mul.Tensor, _in_result_dtype(a, b), alpha))
 
     return decomp
+
+
+def _in_result_dtype(a, b):
+    """`b` cast to the dtype of a + b where that is wider than b's: PyTorch scales b in the
+    result's dtype (a bfloat16 update transposed back and added to a float32 parameter, as Muon
+    does, is not first multiplied in bfloat16)."""
+    if not (is_value_arg(a) and is_value_arg(b)):
+        return b
+    (sa, _, da), (sb, _, db) = arg_sig(a), arg_sig(b)
+    dtype = torch.result_type(torch.empty(sa, dtype=da, device="meta"), torch.empty(sb, dtype=db, device="meta"))
+    return b if dtype == db else _call(aten._to_copy.default, b, dtype=dtype)
 
 
 def _dense(x) -> bool:
