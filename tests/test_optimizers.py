@@ -320,6 +320,21 @@ def test_lbfgs_with_a_history_that_grows_compiles_few_small_programs(dev):
     assert not [c for c in metrics.counter_names() if c.startswith("aten::")]
 
 
+def test_reads_between_writes_keep_the_pending_list_to_what_is_pending(dev):
+    """Each read drops what it computed from the list of pending storages, so a loop that writes
+    and reads (LBFGS reads a scalar a few hundred times a step) scans at each read what is pending,
+    not every write since mark_step."""
+    from ratex.core import storage
+
+    p = torch.zeros(10).to(dev)
+    lm.mark_step()
+    for _ in range(50):
+        p.add_(1.5)
+        p.sum().item()
+    assert len(storage._pending) <= 2, len(storage._pending)
+    torch.testing.assert_close(p.cpu(), torch.full((10,), 75.0))
+
+
 def test_a_read_keeps_every_live_tensor_it_computes(dev):
     """A read before mark_step computes the live tensors its value is computed from, written in
     place or not, and keeps them: the next read's graph starts from them."""
