@@ -60,6 +60,9 @@ import traceback
 import warnings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# ratex from this checkout, not from wherever an editable install points (another worktree): the
+# sweep checks, and --write records, what this tree computes. Spawned workers run this too.
+sys.path.insert(0, ROOT)
 EXPECTATIONS = os.path.join(ROOT, "tests", "conformance_expectations.json")
 RTOL, ATOL = 1e-4, 1e-5
 DEFAULT_MAX_SAMPLES = 8
