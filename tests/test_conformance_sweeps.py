@@ -30,9 +30,12 @@ MODULES = [
     ("nn.MaxPool3d", "train"), ("nn.ReplicationPad2d", "train"), ("nn.MultiMarginLoss", "train"),
     ("nn.CTCLoss", "train"),
 ]
+# LBFGS: its line search (float reads compared with tensors, a step size that is a tensor) and a
+# Tensor lr read into Python, each checked in float64 and in float32 (see ROUNDING_AMPLIFIERS).
 OPTIMS = [
     ("Adam/default", "foreach"), ("AdamW/amsgrad", "forloop"), ("SGD/nesterov", "foreach"),
     ("Adagrad/Tensor lr", "forloop"), ("Adafactor/default", "forloop"), ("SparseAdam/default", "forloop"),
+    ("LBFGS/strong_wolfe", "forloop"), ("LBFGS/Tensor lr", "forloop"),
 ]
 
 SWEEPS = {"modules": MODULES, "optims": OPTIMS}
