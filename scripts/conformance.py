@@ -15,7 +15,9 @@ Three sweeps, one status per entry and phase:
             statistics; parameters after the step). A failure names its stage.
   --optims  every config of OptimizerInfo's `optim_db` for CPU, for-loop and foreach (where the
             optimizer has one): 5 training steps of a small model, losses and final parameters
-            compared; the compiles after each step are in --details.
+            compared; the compiles after each step are in --details. LBFGS, which amplifies
+            rounding, trains on one batch and is compared in float64 (tightly) and in float32
+            (within CPU float32's own spread): see ROUNDING_AMPLIFIERS.
 
   pass      every sample matched and nothing ran eagerly on CPU
   fallback  every sample matched, but some `aten::<op>` counter moved (an op
@@ -60,6 +62,9 @@ import traceback
 import warnings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# ratex from this checkout, not from wherever an editable install points (another worktree): the
+# sweep checks, and --write records, what this tree computes. Spawned workers run this too.
+sys.path.insert(0, ROOT)
 EXPECTATIONS = os.path.join(ROOT, "tests", "conformance_expectations.json")
 RTOL, ATOL = 1e-4, 1e-5
 DEFAULT_MAX_SAMPLES = 8
@@ -220,11 +225,11 @@ def _same_metadata(got, want):
                     f" vs {tuple(w.shape)}/{w.dtype}")
 
 
-def _close(a, b):
+def _close(a, b, rtol=RTOL, atol=ATOL):
     import torch
 
     try:
-        torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL, equal_nan=True)
+        torch.testing.assert_close(a, b, rtol=rtol, atol=atol, equal_nan=True)
         return True
     except Exception:
         return False
@@ -677,13 +682,38 @@ def _optim_problem(name, seed):
             lambda m, x, y: F.cross_entropy(m(x), y))
 
 
+# LBFGS amplifies rounding: each step it runs up to 20 iterations, each a line of dot products,
+# float reads and branches (`ys > 1e-10`, the line search's comparisons) on a history of
+# gradient differences, so one float32 ulp early on moves the final parameters by far more than
+# RTOL/ATOL; CPU PyTorch itself lands as far from its own float64 result, or from a float32 run
+# started one ulp away. Its configs are therefore checked twice, on one fixed batch (LBFGS is a
+# full-batch method: with a new batch each step its curvature pairs mix two batches' gradients,
+# and at lr=1 it diverges, on CPU too, in float64 as in float32, where no two runs that round
+# differently can agree):
+#   float64  the lazy device matches CPU float64 tightly (FLOAT64_RTOL/ATOL): this is where a
+#            wrong op, scalar or branch shows;
+#   float32  the lazy device is no further from CPU float32 than SPREAD_FACTOR times CPU
+#            float32's own spread (max over the losses, and over the final parameters), on top
+#            of RTOL/ATOL. The spread is the larger of CPU float32's distance from CPU float64
+#            and from CPU float32 started with every parameter one ulp up: how far two float32
+#            runs that round differently (another summation order in a dot product) land apart
+#            is of that order, and a CPU run started one ulp away passes by construction.
+# Every other optimizer is compared in float32 at RTOL/ATOL.
+ROUNDING_AMPLIFIERS = ("LBFGS",)
+FLOAT64_RTOL, FLOAT64_ATOL = 1e-9, 1e-10
+SPREAD_FACTOR = 2.0
+
+
 def check_optim(entry, phase, max_samples=None, device=None, seed=0, steps=OPTIM_STEPS):
     """Train a small model `steps` steps with one optim_db config on CPU and on the lazy device.
 
     Returns a dict with "status" (pass / fallback / fail, as for ops), the first step whose loss
-    differs, the compile count after each step, and where it fails, the stage: "step" (an
-    exception while tracing or running a step), "loss" (a loss differs) or "params" (the final
-    parameters differ).
+    differs, the compile count and seconds after each step, and where it fails, the stage:
+    "step" (an exception while tracing or running a step), "loss" (a loss differs) or "params"
+    (the final parameters differ). Optimizers in ROUNDING_AMPLIFIERS run in float64 and float32
+    (see there); "float64" holds the float64 run's compiles and seconds, "float32_spread" CPU
+    float32's own spread that the float32 comparison allows for, "distance" how far each lazy
+    run landed from CPU's.
     """
     import torch
 
@@ -696,15 +726,18 @@ def check_optim(entry, phase, max_samples=None, device=None, seed=0, steps=OPTIM
     kwargs = dict(config.kwargs)
     if "foreach" in info.supported_impls:
         kwargs["foreach"] = phase == "foreach"
+    amplifies = name in ROUNDING_AMPLIFIERS
     result = {"status": "skip", "samples": 0, "fallbacks": [], "notes": [], "compiles": [],
               "step_seconds": []}
 
-    def train(model, data, loss_fn, dev, record):
+    def train(model, dev, dtype, record):
         opt = info.optim_cls(model.parameters(), **copy.deepcopy(kwargs))
         g = torch.Generator().manual_seed(seed + 1)
+        batch = data(g) if amplifies else None
         losses = []
         for _ in range(steps):
-            x, y = (t.to(dev) for t in data(g))
+            x, y = (t.to(dtype) if t.is_floating_point() else t for t in batch or data(g))
+            x, y = x.to(dev), y.to(dev)
             t0 = time.time()
 
             def closure():
@@ -718,47 +751,100 @@ def check_optim(entry, phase, max_samples=None, device=None, seed=0, steps=OPTIM
             else:
                 loss = closure()
                 opt.step()
-            if record:
+            if record is not None:
                 lm.mark_step()
             losses.append(loss.detach().cpu())
-            if record:
-                result["compiles"].append(metrics.counter_value("UncachedCompile") or 0)
-                result["step_seconds"].append(round(time.time() - t0, 3))
-        return losses
+            if record is not None:
+                record["compiles"].append(metrics.counter_value("UncachedCompile") or 0)
+                record["step_seconds"].append(round(time.time() - t0, 3))
+        return losses, [p.detach().cpu() for p in model.parameters()]
 
-    ref, data, loss_fn = _optim_problem(name, seed)
-    lazy = copy.deepcopy(ref).to(device)
-    try:
-        want = train(ref, data, loss_fn, "cpu", False)
-    except Exception as e:
-        result.update(skip_reason="cpu: " + _short(e))
-        return result
-    metrics.reset()
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            got = train(lazy, data, loss_fn, device, True)
-            result["notes"] = sorted({str(w.message).splitlines()[0][:300] for w in caught
-                                      if "ratex" in str(w.message)})[:5]
-    except Exception as e:
-        result.update(status="fail", stage="step", error=_short(e), where=_where(e))
-        _flush()
-        return result
-    result["fallbacks"] = sorted(c for c in metrics.counter_names() if c.startswith("aten::"))
+    base, data, loss_fn = _optim_problem(name, seed)
+    runs, fallbacks = {}, set()
+    for dtype in (torch.float64, torch.float32) if amplifies else (torch.float32,):
+        ref = copy.deepcopy(base).to(dtype)
+        lazy = copy.deepcopy(ref).to(device)
+        try:
+            want = train(ref, "cpu", dtype, None)
+        except Exception as e:
+            result.update(skip_reason="cpu: " + _short(e))
+            return result
+        label = "float64: " if dtype is torch.float64 else ""
+        record = result if not label else result.setdefault("float64", {"compiles": [], "step_seconds": []})
+        metrics.reset()
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                got = train(lazy, device, dtype, record)
+                result["notes"] = sorted(set(result["notes"]) | {str(w.message).splitlines()[0][:300]
+                                                                 for w in caught if "ratex" in str(w.message)})[:5]
+        except Exception as e:
+            result.update(status="fail", stage="step", error=label + _short(e), where=_where(e))
+            _flush()
+            return result
+        fallbacks.update(c for c in metrics.counter_names() if c.startswith("aten::"))
+        runs[dtype] = got, want
+    if amplifies:  # CPU float32 from every parameter one ulp up: part of CPU's own spread
+        moved = copy.deepcopy(base)
+        with torch.no_grad():
+            for p in moved.parameters():
+                p.copy_(torch.nextafter(p, torch.full_like(p, float("inf"))))
+        nudged = train(moved, "cpu", torch.float32, None)
+    result["fallbacks"] = sorted(fallbacks)
     result["samples"] = steps
-    bad = next((i for i, (a, b) in enumerate(zip(got, want)) if not _close(a, b)), None)
-    if bad is not None:  # a wrong loss explains the parameters: report the loss
-        stage, a, b = "loss", got, want
-    else:
-        stage, a, b = "params", _to_cpu(list(lazy.parameters())), [p.detach() for p in ref.parameters()]
-    try:
-        torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
-    except AssertionError as e:
-        result.update(status="fail", stage=stage, error=_mismatch_message(e), first_bad_step=bad,
-                      losses=[round(float(x), 6) for x in got], cpu_losses=[round(float(x), 6) for x in want])
-        return result
-    result["status"] = "fallback" if result["fallbacks"] else "pass"
+    result.update(compare_optim_runs(runs, nudged if amplifies else None))
+    if result.get("status") != "fail":
+        result["status"] = "fallback" if result["fallbacks"] else "pass"
     return result
+
+
+def compare_optim_runs(runs, nudged=None):
+    """Compare one optimizer config's lazy runs with CPU's.
+
+    `runs` maps a dtype to ((losses, params), (cpu_losses, cpu_params)), lists of CPU tensors:
+    float32 alone, compared at RTOL/ATOL, or float64 and float32 for ROUNDING_AMPLIFIERS, with
+    `nudged` CPU float32's (losses, params) from every parameter one ulp up (see there). Returns
+    the fields check_optim adds to its result: for an amplifier, how far each run landed from
+    CPU's ("distance") and CPU float32's own spread ("float32_spread"); for the first mismatch,
+    status "fail", its stage ("loss", which explains the parameters, or "params"), the message,
+    the first step whose loss differs and both runs' losses.
+    """
+    import torch
+
+    amplifies = torch.float64 in runs
+    out = {}
+    for dtype, ((losses, params), (cpu_losses, cpu_params)) in runs.items():
+        rtol, atol, label = RTOL, {"loss": ATOL, "params": ATOL}, ""
+        if amplifies:  # in --details: how far each run landed from CPU's
+            out.setdefault("distance", {})[str(dtype).replace("torch.", "")] = {
+                "loss": float(f"{_max_distance(losses, cpu_losses):.3g}"),
+                "params": float(f"{_max_distance(params, cpu_params):.3g}")}
+        if amplifies and dtype is torch.float64:
+            rtol, atol, label = FLOAT64_RTOL, {"loss": FLOAT64_ATOL, "params": FLOAT64_ATOL}, "float64: "
+        elif amplifies:
+            (exact_losses, exact_params), (nudged_losses, nudged_params) = runs[torch.float64][1], nudged
+            spread = {"loss": max(_max_distance(cpu_losses, exact_losses), _max_distance(cpu_losses, nudged_losses)),
+                      "params": max(_max_distance(cpu_params, exact_params), _max_distance(cpu_params, nudged_params))}
+            out["float32_spread"] = {k: float(f"{v:.3g}") for k, v in spread.items()}
+            atol = {k: ATOL + SPREAD_FACTOR * v for k, v in spread.items()}
+            label = "float32, beyond {:g}x CPU's own float32 spread: ".format(SPREAD_FACTOR)
+        bad = next((i for i, (a, b) in enumerate(zip(losses, cpu_losses))
+                    if not _close(a, b, rtol, atol["loss"])), None)
+        stage = "loss" if bad is not None else "params"
+        a, b = (losses, cpu_losses) if bad is not None else (params, cpu_params)
+        try:
+            torch.testing.assert_close(a, b, rtol=rtol, atol=atol[stage])
+        except AssertionError as e:
+            out.update(status="fail", stage=stage, error=label + _mismatch_message(e), first_bad_step=bad,
+                       losses=[float(f"{float(x):.7g}") for x in losses],
+                       cpu_losses=[float(f"{float(x):.7g}") for x in cpu_losses])
+            return out
+    return out
+
+
+def _max_distance(a, b) -> float:
+    """The largest absolute difference between two lists of tensors, in float64."""
+    return max((x.double() - y.double()).abs().max().item() for x, y in zip(a, b))
 
 
 # --------------------------------------------------------------------------- #
@@ -777,7 +863,8 @@ SWEEPS = {
     "ops": Sweep("ops", entries, lambda op: PHASES if op.supports_autograd else PHASES[:1], check_entry,
                  EXPECTATIONS, PHASES, 120.0),
     # Transformer entries spend a minute finding the node that fails to compile (masked_fill),
-    # LBFGS minutes re-evaluating its closure: a timeout there would hide what they compute.
+    # LBFGS a score of small programs in each of its two dtypes, on a machine other sweeps share:
+    # a timeout there would hide what they compute.
     "modules": Sweep("modules", module_entries, module_phases, check_module, MODULE_EXPECTATIONS, MODULE_PHASES,
                      300.0),
     "optims": Sweep("optims", optim_entries, optim_phases, check_optim, OPTIM_EXPECTATIONS, OPTIM_PHASES, 600.0),

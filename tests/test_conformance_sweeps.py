@@ -30,9 +30,12 @@ MODULES = [
     ("nn.MaxPool3d", "train"), ("nn.ReplicationPad2d", "train"), ("nn.MultiMarginLoss", "train"),
     ("nn.CTCLoss", "train"),
 ]
+# LBFGS: its line search (float reads compared with tensors, a step size that is a tensor) and a
+# Tensor lr read into Python, each checked in float64 and in float32 (see ROUNDING_AMPLIFIERS).
 OPTIMS = [
     ("Adam/default", "foreach"), ("AdamW/amsgrad", "forloop"), ("SGD/nesterov", "foreach"),
     ("Adagrad/Tensor lr", "forloop"), ("Adafactor/default", "forloop"), ("SparseAdam/default", "forloop"),
+    ("LBFGS/strong_wolfe", "forloop"), ("LBFGS/Tensor lr", "forloop"),
 ]
 
 SWEEPS = {"modules": MODULES, "optims": OPTIMS}
@@ -59,3 +62,38 @@ def test_recorded_result_holds(dev, sweep, key, phase):
     assert said["status"] == want["status"], hint
     assert said.get("fallbacks") == want.get("fallbacks"), hint
     assert said.get("stage") == want.get("stage"), hint
+
+
+def test_rounding_amplifier_comparison_can_fail():
+    """An optimizer that amplifies rounding (LBFGS) is compared in float64 to 1e-9 and in float32
+    within SPREAD_FACTOR times CPU float32's own spread: a float64 run one part in a million off
+    fails, and so does a float32 run further from CPU than the spread allows; one within passes."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    cpu64 = ([torch.tensor(1.25, dtype=torch.float64), torch.tensor(0.5, dtype=torch.float64)],
+             [torch.randn(4, 3, generator=g, dtype=torch.float64), torch.randn(3, generator=g, dtype=torch.float64)])
+    cpu32 = ([x.float() + 1e-3 for x in cpu64[0]], [x.float() + 1e-3 for x in cpu64[1]])  # spread 1e-3
+    nudged = ([x + 1e-4 for x in cpu32[0]], [x + 1e-4 for x in cpu32[1]])
+
+    def compare(lazy64=cpu64, lazy32=cpu32):
+        return conformance.compare_optim_runs({torch.float64: (lazy64, cpu64), torch.float32: (lazy32, cpu32)},
+                                              nudged)
+
+    def shifted(run, by, stage):
+        losses, params = run
+        return ([x + by for x in losses], params) if stage == "loss" else (losses, [x + by for x in params])
+
+    same = compare()
+    assert "status" not in same, same
+    assert same["float32_spread"] == {"loss": 1e-3, "params": 1e-3}
+    off64 = compare(lazy64=(cpu64[0], [x * (1 + 1e-6) for x in cpu64[1]]))
+    assert (off64["status"], off64["stage"]) == ("fail", "params") and off64["error"].startswith("float64: ")
+    assert "status" not in compare(lazy32=shifted(cpu32, 1.5e-3, "params"))
+    beyond = compare(lazy32=shifted(cpu32, 3e-3, "params"))
+    assert (beyond["status"], beyond["stage"]) == ("fail", "params") and beyond["error"].startswith("float32")
+    loss = compare(lazy32=shifted(cpu32, 3e-3, "loss"))
+    assert (loss["status"], loss["stage"], loss["first_bad_step"]) == ("fail", "loss", 0)
+    # Every other optimizer: float32 alone, at RTOL/ATOL.
+    plain = conformance.compare_optim_runs({torch.float32: (shifted(cpu32, 1e-3, "params"), cpu32)})
+    assert (plain["status"], plain["stage"]) == ("fail", "params") and "distance" not in plain

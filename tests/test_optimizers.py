@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import ratex.debug
 import ratex.lazy_tensor_core.core.lazy_model as lm
 from ratex.lazy_tensor_core.debug import metrics
 from rule_check import train_side_by_side
@@ -123,6 +124,8 @@ INPLACE_CASES = {  # name: (target maker, op); each runs on lazy and CPU copies 
     "add_ into a transposed view": (lambda x, y: x, lambda t, o: t.t().add_(o.t(), alpha=-0.1)),
     "mul_ double": (lambda x, y: x.double(), lambda t, o: t.mul_(0.3)),
     "add_ int target": (lambda x, y: (x * 10).long(), lambda t, o: t.add_((o * 10).long(), alpha=3)),
+    # Muon: a bfloat16 update, transposed back, added to a float32 parameter with alpha = -lr
+    "add_ transposed bfloat16 other": (lambda x, y: x, lambda t, o: t.add_(o.t().contiguous().t().bfloat16(), alpha=-0.3)),
 }
 
 
@@ -139,6 +142,29 @@ def test_inplace_arith_matches_cpu(dev, name):
         op(lazy_x, lazy_y)
     lm.mark_step()
     torch.testing.assert_close(lazy_x.cpu(), x, equal_nan=True)
+
+
+LERP_CALLS = {  # each on (start, end) lists of float32 and float64 tensors; in-place ones return None
+    "lerp": lambda a, b, w: [x.lerp(y, w) for x, y in zip(a, b)],
+    "lerp_": lambda a, b, w: [x.lerp_(y, w) for x, y in zip(a, b)] and None,
+    "_foreach_lerp_ scalar": lambda a, b, w: torch._foreach_lerp_(a, b, w),
+    "_foreach_lerp_ scalarlist": lambda a, b, w: torch._foreach_lerp_(a, b, [w, w / 2]),
+}
+
+
+@pytest.mark.parametrize("weight", [0.1, 0.5, 0.95, -0.7, 1.0])
+@pytest.mark.parametrize("name", LERP_CALLS)
+def test_lerp_with_a_number_matches_cpu_to_the_bit(dev, name, weight):
+    """torch's lerp takes start + w * (end - start) for |w| < 0.5 and end - (end - start) * (1 - w)
+    otherwise, 1 - w in the tensor's precision (Muon's nesterov update is grad.lerp(buf, 0.95)):
+    the lazy device computes the same formula, to the bit."""
+    g = torch.Generator().manual_seed(4)
+    cpu = [[torch.randn(67, 33, generator=g, dtype=dt) for dt in (torch.float32, torch.float64)] for _ in range(2)]
+    lazy = [[t.to(dev) for t in ts] for ts in cpu]
+    got, want = LERP_CALLS[name](*lazy, weight), LERP_CALLS[name](*cpu, weight)
+    lm.mark_step()
+    for g_, w_ in zip(got or lazy[0], want or cpu[0]):
+        assert torch.equal(g_.cpu(), w_), (g_.cpu() - w_).abs().max()
 
 
 def test_inplace_arith_errors_match_cpu(dev):
@@ -210,34 +236,39 @@ def test_muon_matches_cpu_in_tvm_kernels(dev, config):
     _muon_matches_cpu(dev, config)
 
 
-def _lbfgs_against_cpu(dev, dtype, steps, **kwargs):
-    """Train a small MLP with LBFGS(**kwargs) on CPU and on `dev` from the same init and data;
-    return (CPU losses, lazy losses, the two models' parameters, programs compiled per lazy step)."""
+def _lbfgs_against_cpu(dev, dtype, steps, fresh_batches=False, **kwargs):
+    """Train a small MLP with LBFGS(**kwargs) on CPU and on `dev` from the same init and data (one
+    batch, or a new one each step); return (CPU losses, lazy losses, the two models' parameters,
+    programs compiled per lazy step)."""
     torch.manual_seed(0)
     ref = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).to(dtype)
     model = copy.deepcopy(ref).to(dev)
     x, y = torch.randn(16, 4).to(dtype), torch.randn(16, 1).to(dtype)
 
-    def train(m, xs, ys):
+    def train(m, to):
         opt = torch.optim.LBFGS(m.parameters(), **kwargs)
+        g = torch.Generator().manual_seed(1)
+        xs, ys = x.to(to), y.to(to)
         losses, compiles = [], []
+        for step in range(steps):
+            if fresh_batches:
+                xs, ys = (torch.randn(16, n, generator=g).to(dtype).to(to) for n in (4, 1))
 
-        def closure():
-            opt.zero_grad()
-            loss = F.mse_loss(m(xs), ys)
-            loss.backward()
-            return loss
+            def closure():
+                opt.zero_grad()
+                loss = F.mse_loss(m(xs), ys)
+                loss.backward()
+                return loss
 
-        for _ in range(steps):
             before = metrics.counter_value("UncachedCompile") or 0
             losses.append(opt.step(closure).item())
-            if xs.device == dev:
+            if to == dev:
                 lm.mark_step()
             compiles.append((metrics.counter_value("UncachedCompile") or 0) - before)
         return losses, compiles
 
-    want, _ = train(ref, x, y)
-    got, compiles = train(model, x.to(dev), y.to(dev))
+    want, _ = train(ref, "cpu")
+    got, compiles = train(model, dev)
     params = [(p.detach().cpu(), q.detach()) for p, q in zip(model.parameters(), ref.parameters())]
     return want, got, params, compiles
 
@@ -268,6 +299,52 @@ def test_lbfgs_strong_wolfe_matches_cpu_and_stops_compiling(dev):
         torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12)
     assert compiles[3:] == [0, 0, 0], compiles
     assert not [c for c in metrics.counter_names() if c.startswith("aten::")]
+
+
+def test_lbfgs_with_a_history_that_grows_compiles_few_small_programs(dev):
+    """With its defaults (20 iterations a step, a history of 100 that 5 steps never fill) and a new
+    batch each step, LBFGS derives tensors (its flat gradient, the gradient differences and steps
+    of its history), reads scalars from them and goes on from them. Each read computes and keeps
+    them, so no later read or mark_step computes them again: no program is larger than one
+    evaluation of the closure (29 ops), and the same few programs serve every step. Kept only where
+    written in place, the history's new entries would be computed again by every read that needs
+    them and all at once by mark_step, in programs of hundreds of ops that change every step.
+    In float64 the lazy device follows CPU to rounding."""
+    before = max((r.number for r in ratex.debug.explain()), default=0)
+    want, got, params, compiles = _lbfgs_against_cpu(dev, torch.float64, 5, fresh_batches=True, lr=0.03)
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+    for p, q in params:
+        torch.testing.assert_close(p, q, rtol=1e-9, atol=1e-12)
+    sizes = [r.ops for r in ratex.debug.explain() if r.number > before]
+    assert max(sizes) <= 40 and sum(compiles) <= 20, (sizes, compiles)
+    assert not [c for c in metrics.counter_names() if c.startswith("aten::")]
+
+
+def test_reads_between_writes_keep_the_pending_list_to_what_is_pending(dev):
+    """Each read drops what it computed from the list of pending storages, so a loop that writes
+    and reads (LBFGS reads a scalar a few hundred times a step) scans at each read what is pending,
+    not every write since mark_step."""
+    from ratex.core import storage
+
+    p = torch.zeros(10).to(dev)
+    lm.mark_step()
+    for _ in range(50):
+        p.add_(1.5)
+        p.sum().item()
+    assert len(storage._pending) <= 2, len(storage._pending)
+    torch.testing.assert_close(p.cpu(), torch.full((10,), 75.0))
+
+
+def test_a_read_keeps_every_live_tensor_it_computes(dev):
+    """A read before mark_step computes the live tensors its value is computed from, written in
+    place or not, and keeps them: the next read's graph starts from them."""
+    x = torch.randn(6, 4)
+    lx = x.to(dev)
+    lm.mark_step()
+    y = lx.exp() * 2
+    assert bool((y.sum() > 0).cpu()) == bool((x.exp() * 2).sum() > 0)
+    assert "exp" not in ratex.debug.graph_text([y * 3])
+    torch.testing.assert_close((y * 3).cpu(), x.exp() * 6)
 
 
 # Lists the recorded foreach route takes only in part: each element that doesn't fit (another

@@ -73,8 +73,12 @@ def track(storage):
 
 
 def pending_storages() -> list:
-    """Return the live storages whose value is not computed, in the order they became pending."""
-    seen, out = set(), []  # storages hash by identity
+    """Return the live storages whose value is not computed, in the order they became pending.
+
+    The list keeps only their references: a loop that reads values between writes (LBFGS reads
+    a scalar a few hundred times a step, and each read computes what it needs) would otherwise
+    scan every write since mark_step at every read."""
+    seen, out, keep = set(), [], []  # storages hash by identity
     for ref in _pending:
         st = ref()
         if st is not None and st not in seen:
@@ -82,6 +86,8 @@ def pending_storages() -> list:
             if node.results[idx] is None:
                 seen.add(st)
                 out.append(st)
+                keep.append(ref)
+    _pending[:] = keep
     return out
 
 

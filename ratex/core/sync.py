@@ -43,21 +43,23 @@ def execute(values: list, written=()):
 
 
 def _read(values: list, aliasing: bool):
-    """Compute `values`, read before mark_step, together with the new values of tensors written
-    in place that they are computed from, and keep both.
+    """Compute `values`, read before mark_step, together with every live pending tensor that
+    they are computed from, and keep both.
 
-    Those values are computed anyway; kept, the next read starts from them. Dropped, every
-    read would compute again the whole chain of writes since the last mark_step: a loop
-    that writes parameters and reads a loss from them (LBFGS's line search, its closure
-    evaluated a few times a step) compiles a new, longer graph at every read."""
-    written = [st for st in storage.pending_storages() if st.version]
+    Those tensors are computed anyway, by this program, and mark_step would compute them again:
+    kept, the next read starts from them. Dropped, every read would compute again whatever it
+    shares with earlier reads, and its graph would grow with the reads since mark_step. LBFGS
+    does both many times a step: it writes parameters and reads a loss from them (its closure),
+    and derives tensors, reads a scalar from them and goes on from the tensors (its flat
+    gradient, the gradient differences of its history, the direction it reads dot products of)."""
+    live = storage.pending_storages()
     roots = [v for v in values if v[0].results[v[1]] is None]
-    if written and roots:
+    if live and roots:
         inside = frozenset(cut(roots).nodes)
-        written = [st for st in written if st.value[0] in inside]
-        if written:
-            _execute(values + [st.value for st in written], (), aliasing)
-            for st in written:
+        live = [st for st in live if st.value[0] in inside]
+        if live:
+            _execute(values + [st.value for st in live], (), aliasing)
+            for st in live:
                 st.rebind()
             return
     _execute(values, (), aliasing)

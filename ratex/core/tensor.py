@@ -61,9 +61,9 @@ class LazyTensor(torch.Tensor):
         """Return a lazy tensor holding a copy of the CPU tensor `cpu` (or `cpu` itself if adopt)."""
         if cpu.layout is not torch.strided:
             raise NotImplementedError(
-                f"the lazy device holds dense (torch.strided) tensors only, not {cpu.layout}: a sparse "
-                "gradient (nn.Embedding(sparse=True), F.embedding(sparse=True), for SparseAdam) is not "
-                "supported; use sparse=False and a dense optimizer such as Adam")
+                f"moving a {cpu.layout} tensor to the lazy device: it holds dense (torch.strided) tensors, and "
+                "sparse COO tensors only as the gradients of nn.Embedding(sparse=True) or F.embedding(sparse=True) "
+                "and what is computed from them; move the tensor's .to_dense()")
         be = backend()
         metrics.counter_inc("DeviceDataTransfer")
         data = be.adopt(cpu) if adopt else be.upload(cpu)
@@ -187,6 +187,10 @@ class LazyTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if len(types) > 1 and not all(issubclass(t, LazyTensor) for t in types):
+            # Another tensor subclass among the arguments (a sparse lazy tensor: tracing/sparse.py)
+            # knows what the call means; torch asks it next.
+            return NotImplemented
         return _dispatch(func, args, kwargs or {})
 
 

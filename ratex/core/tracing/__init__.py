@@ -14,14 +14,15 @@ an op without a meta kernel or a lowering rule is traced through PyTorch's own
 decomposition (torch_decomp.py) when it has one whose outputs match, and otherwise
 runs eagerly on CPU (eager.py; counter `aten::<op>`), its outputs becoming device data.
 Arguments become node templates and inputs in capture.py; composite.py re-expresses
-a few composite ops above autograd.
+a few composite ops above autograd. Sparse COO tensors (an embedding's sparse gradient) are
+`LazySparse` wrappers of lazy indices and values (sparse.py).
 
 Importing this package registers every module's handlers, decompositions and paths
 (`registry.register`, the one way to add an op) and installs `dispatch` as the
 tracer of LazyTensor (tensor.install).
 """
 from .. import tensor
-from . import composite, decompose, fills, foreach, inplace, random, record, saved, views  # noqa: F401  (they register)
+from . import composite, decompose, fills, foreach, inplace, random, record, saved, sparse, views  # noqa: F401,E501  (they register)
 from .registry import dispatch
 
 tensor.install(dispatch=dispatch)

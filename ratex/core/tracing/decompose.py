@@ -45,9 +45,20 @@ def _add_alpha(func):
                 if type(value) is Value and last is _call:
                     return LazyTensor.from_value(value.value)
                 return value
-        return last(func, a, value_op(aten.mul.Tensor, b, alpha))
+        return last(func, a, value_op(aten.mul.Tensor, _in_result_dtype(a, b), alpha))
 
     return decomp
+
+
+def _in_result_dtype(a, b):
+    """`b` cast to the dtype of a + b where that is wider than b's: PyTorch scales b in the
+    result's dtype (a bfloat16 update transposed back and added to a float32 parameter, as Muon
+    does, is not first multiplied in bfloat16)."""
+    if not (is_value_arg(a) and is_value_arg(b)):
+        return b
+    (sa, _, da), (sb, _, db) = arg_sig(a), arg_sig(b)
+    dtype = torch.result_type(torch.empty(sa, dtype=da, device="meta"), torch.empty(sb, dtype=db, device="meta"))
+    return b if dtype == db else _call(aten._to_copy.default, b, dtype=dtype)
 
 
 def _dense(x) -> bool:
@@ -77,8 +88,25 @@ def addcdiv(self, t1, t2, *, value=1, last=_call):
 
 @register(aten.lerp.Scalar, tier=DECOMPOSITION)
 def lerp_scalar(self, end, weight, *, last=_call):
-    """Return self + (end - self) * weight, its last op recorded by `last`."""
-    return last(aten.add.Tensor, self, value_op(aten.mul.Tensor, value_op(aten.sub.Tensor, end, self), weight))
+    """Return torch's lerp of self and end by the number `weight` (see `lerp_formula`), its last
+    op recorded by `last`."""
+    small, w = lerp_formula(weight, arg_sig(self)[2])
+    diff = value_op(aten.sub.Tensor, end, self)
+    if small:
+        return last(aten.add.Tensor, self, value_op(aten.mul.Tensor, diff, w))
+    return last(aten.sub.Tensor, end, value_op(aten.mul.Tensor, diff, w))
+
+
+def lerp_formula(weight, dtype):
+    """(small, w): torch's CPU lerp computes start + w * (end - start) where |weight| < 0.5
+    (small), else end - (end - start) * w, each exact at its own end; there w = 1 - weight,
+    computed as torch computes it, in the tensor's opmath type after rounding weight to it
+    (1 - 0.95 in float64 is not 1 - float32(0.95)). Muon's nesterov update, grad.lerp(buf, 0.95),
+    takes the second formula; under the first, about a third of its elements round otherwise."""
+    if not dtype.is_floating_point or abs(weight) < 0.5:
+        return True, weight
+    opmath = torch.float64 if dtype is torch.float64 else torch.float32
+    return False, (1 - torch.tensor(weight, dtype=opmath)).item()
 
 
 @register(aten.rsub.Scalar, tier=DECOMPOSITION)

@@ -20,6 +20,7 @@ from ..shape import contiguous_strides
 from ..tensor import LazyTensor
 from . import registry
 from .capture import BINARY_SPEC, NO_KWARGS, TERNARY_SPEC
+from .decompose import lerp_formula
 from .eager import run as eager, unlowerable
 from .record import liftable, lowered_counter, scalar_input
 from .registry import PATH, register
@@ -175,9 +176,10 @@ def _addcdiv(x, meta, t1, t2, value=1):
 
 
 def _lerp(x, meta, end, weight):
-    """x + (end - x) * weight, as decompose.lerp_scalar records it."""
+    """torch's lerp of x and end by the number `weight`, as decompose.lerp_scalar records it."""
+    small, w = lerp_formula(weight, meta.dtype)
     diff = _node(_SUB, BINARY_SPEC, (end, x), meta)
-    return _node(_ADD, BINARY_SPEC, (x, _with_scalar(_MUL, diff, weight, meta)), meta)
+    return _node(_ADD if small else _SUB, BINARY_SPEC, (x if small else end, _with_scalar(_MUL, diff, w, meta)), meta)
 
 
 def _unary(op):
