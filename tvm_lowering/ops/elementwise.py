@@ -24,8 +24,8 @@ import torch
 from tvm import relax, te, tirx
 
 from ..dtypes import to_tvm
-from .kit import (arg, cast, dtype, emit, emit_te, env, filled, float_compute, horner, is_float, isnan, out_meta, pointwise,
-                  round_bf16, shape, to_dtype)
+from .kit import (arg, cast, dtype, emit, emit_te, env, filled, float_compute, horner, is_float, isnan, keep_nan, out_meta,
+                  pointwise, round_bf16, shape, to_dtype)
 from .registry import rule
 
 
@@ -39,7 +39,9 @@ from .registry import rule
 _ARITH = {
     "add.Tensor": relax.op.add, "sub.Tensor": relax.op.subtract, "mul.Tensor": relax.op.multiply,
     "div.Tensor": relax.op.divide, "maximum.default": relax.op.maximum, "minimum.default": relax.op.minimum,
+    "max.other": relax.op.maximum, "min.other": relax.op.minimum,
 }
+_NAN_PICKING = {"maximum.default", "minimum.default", "max.other", "min.other"}  # a NaN operand wins, as in PyTorch
 _COMPARE = {
     f"{name}.{kind}": op
     for name, op in (("lt", relax.op.less), ("le", relax.op.less_equal), ("gt", relax.op.greater),
@@ -76,6 +78,8 @@ def _binary(imp, node):
     if alpha != 1:
         operands[1] = bb.emit(relax.op.multiply(operands[1], relax.const(alpha, compute)))
     out = bb.emit({**_ARITH, **_COMPARE}[name](*operands))
+    if name in _NAN_PICKING:
+        out = keep_nan(imp, out, *operands)
     return out if compute == out_dtype else to_dtype(imp, out, out_dtype)
 
 
@@ -139,13 +143,19 @@ def masked_fill(imp, node):
 
 
 # ---- clamps -----------------------------------------------------------------------------------
-@rule("clamp.default")
+@rule("clamp.default", "clamp_min.default", "clamp_max.default")
 def clamp(imp, node):
     """Bounds in the output dtype; an absent bound is no bound (TVM's rule passes +-inf, which an
-    integer tensor can't hold); NaN inputs stay NaN."""
+    integer tensor can't hold); NaN inputs stay NaN. TVM's clamp_max reads its bound from the
+    third argument, which it does not have, so clamped nothing."""
     _, dt = out_meta(node)
     x = cast(imp, env(imp, node.args[0]), dt)
-    lo, hi = arg(node, 1, "min"), arg(node, 2, "max")
+    name = node.target.__name__
+    if name == "clamp.default":
+        lo, hi = arg(node, 1, "min"), arg(node, 2, "max")
+    else:
+        bound = arg(node, 1, name[6:9])
+        lo, hi = (bound, None) if name.startswith("clamp_min") else (None, bound)
     if any(isinstance(b, float) and math.isnan(b) for b in (lo, hi)):
         return filled(imp, node, math.nan)  # a NaN bound makes every element NaN
     out = x
@@ -153,26 +163,38 @@ def clamp(imp, node):
         out = emit(imp, relax.op.maximum(out, relax.const(lo, dt)))
     if hi is not None:
         out = emit(imp, relax.op.minimum(out, relax.const(hi, dt)))
-    if is_float(dt):  # TVM's isnan takes no bfloat16: test the exact float32 value
-        nan = relax.op.isnan(cast(imp, x, "float32") if dt == "bfloat16" else x)
-        out = emit(imp, relax.op.where(nan, x, out))
-    return out
+    return keep_nan(imp, out, x)
+
+
+@rule("hardtanh.default", "relu6.default")
+def hardtanh(imp, node):
+    """TVM's clip, which has a gradient for jit.script, but NaN staying NaN (its comparisons made
+    it max_val)."""
+    x = env(imp, node.args[0])
+    if node.target.__name__.startswith("relu6"):
+        lo, hi = 0.0, 6.0
+    else:
+        lo, hi = arg(node, 1, "min_val", -1.0), arg(node, 2, "max_val", 1.0)
+    return keep_nan(imp, emit(imp, relax.op.clip(x, lo, hi)), x)
 
 
 @rule("clamp.Tensor", "clamp_min.Tensor", "clamp_max.Tensor")
 def clamp_tensor(imp, node):
-    """Bounds of another dtype are promoted with the input first (TVM's rule mixes dtypes)."""
+    """Bounds of another dtype are promoted with the input first (TVM's rule mixes dtypes); a NaN
+    in the input or a bound gives NaN, as in PyTorch."""
     x = env(imp, node.args[0])
     name = node.target.__name__
     _, dt = out_meta(node)
     lo = arg(node, 1, "min") if not name.startswith("clamp_max") else None
     hi = arg(node, 2, "max") if name.startswith("clamp.") else arg(node, 1, "max") if name.startswith("clamp_max") else None
-    out = cast(imp, x, dt)
-    if lo is not None:
-        out = emit(imp, relax.op.maximum(out, cast(imp, env(imp, lo), dt)))
-    if hi is not None:
-        out = emit(imp, relax.op.minimum(out, cast(imp, env(imp, hi), dt)))
-    return out
+    x = cast(imp, x, dt)
+    bounds = [cast(imp, env(imp, b), dt) if b is not None else None for b in (lo, hi)]
+    out = x
+    if bounds[0] is not None:
+        out = emit(imp, relax.op.maximum(out, bounds[0]))
+    if bounds[1] is not None:
+        out = emit(imp, relax.op.minimum(out, bounds[1]))
+    return keep_nan(imp, out, x, *(b for b in bounds if b is not None))
 
 
 @rule("isnan.default", "isinf.default", "isfinite.default")
