@@ -240,3 +240,17 @@ def test_clamp_max_with_a_scalar_bound_clamps():
     x = torch.randn(4, 5) * 3
     check(lambda t: (torch.clamp_max(t, 0.5), t.clamp_max(-1), torch.clamp_max(t.int(), 1)), x,
           ops=["clamp_max.default"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_division_with_rounding_rounds_like_pytorch(dtype):
+    """PyTorch's CPU kernels round a half-precision quotient to its dtype before trunc (a bfloat16
+    quotient of 2.999 is 3) and floor-divide floats through fmod; TVM's rules truncated and floored
+    the float32 quotient, one off near integers. Zeros, signed zeros and division by zero too."""
+    g = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(400, generator=g) * 20).to(dtype), (torch.randn(400, generator=g) * 3).to(dtype)
+    a[:6] = torch.tensor([0.0, -0.0, 5.0, -5.0, 0.0, 7.0])
+    b[:6] = torch.tensor([3.0, 3.0, 0.0, -0.0, -2.0, -7.0])
+    check(lambda x, y: (torch.div(x, y, rounding_mode="trunc"), torch.div(x, y, rounding_mode="floor"),
+                        torch.floor_divide(x, y)),
+          a, b, ops=["div.Tensor_mode", "floor_divide.default"], rtol=0, atol=0)

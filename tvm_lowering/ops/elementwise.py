@@ -86,6 +86,47 @@ def _binary(imp, node):
 rule(*_ARITH, *_COMPARE)(_binary)
 
 
+# ---- division with rounding -------------------------------------------------------------------
+def _div_floor(a, b, r):
+    """PyTorch's floor division of floats (c10's div_floor_floating), `r` rounding each result as
+    the dtype's own arithmetic would: from fmod, so a quotient just under an integer does not round
+    up to it first."""
+    dt = dtype(a)
+    zero, one = tirx.const(0, dt), tirx.const(1, dt)
+    # the C library's fmod (TVM has no LLVM lowering of tirx.fmod), exact in float64 and back
+    mod = tirx.call_pure_extern("float64", "fmod", a.astype("float64"), b.astype("float64")).astype(dt)
+    div = r(r(a - mod) / b)
+    # (b < 0) != (mod < 0), spelled out: LLVM takes no float comparison of two bools
+    signs_differ = tirx.any(tirx.all(b < zero, tirx.Not(mod < zero)), tirx.all(tirx.Not(b < zero), mod < zero))
+    div = tirx.Select(tirx.all(mod != zero, signs_differ), r(div - one), div)
+    floor = tirx.floor(div)
+    floor = tirx.Select(r(div - floor) > tirx.const(0.5, dt), r(floor + one), floor)
+    floor = tirx.Select(div == zero, tirx.copysign(zero, a / b), floor)
+    return tirx.Select(b == zero, a / b, floor)
+
+
+@rule("div.Tensor_mode", "floor_divide.default")
+def div_mode(imp, node):
+    """Floats divided with trunc or floor rounding as PyTorch's CPU kernels divide: a half-precision
+    quotient rounds to its dtype before trunc (a bfloat16 quotient of 2.999 is 3), floor division
+    goes through fmod, each step in the dtype's precision; other dtypes are TVM's rules."""
+    name = node.target.__name__
+    _, dt = out_meta(node)
+    mode = "floor" if name == "floor_divide.default" else node.kwargs.get("rounding_mode", arg(node, 2, "rounding_mode"))
+    if not is_float(dt) or mode not in ("trunc", "floor"):
+        return imp.tvm_rules[name](node)
+    compute = float_compute(node)
+    if dt == "bfloat16":
+        r = round_bf16
+    elif dt == "float16":
+        r = lambda v: v.astype("float16").astype("float32")  # noqa: E731
+    else:
+        r = lambda v: v  # noqa: E731
+    if mode == "trunc":
+        return pointwise(imp, node, lambda a, b: tirx.trunc(r(a / b)), compute, nargs=2)
+    return pointwise(imp, node, lambda a, b: _div_floor(a, b, r), compute, nargs=2)
+
+
 @rule("addcmul.default")
 def addcmul(imp, node):
     """self + value * t1 * t2, computed in the output's dtype (narrow integers in int32).
