@@ -10,7 +10,10 @@ Three sweeps, one status per entry and phase:
                       differentiable float outputs w.r.t. every float input that requires grad
             --dtype bfloat16 / float16 sweeps the entries CPU PyTorch supports in that dtype
             instead, against CPU's result in that dtype (rtol/atol 1.6e-2/1e-2 for bfloat16,
-            2e-3/1e-3 for float16: a rounding or two of the result's dtype). --nonfinite puts
+            2e-3/1e-3 for float16: a rounding or two of the result's dtype), or where that
+            fails, at least as near as CPU's to CPU's float64 result rounded to that dtype
+            (counted and listed apart: ratex rounds at stores, not between fused ops, and a
+            cancellation can make that more than a rounding). --nonfinite puts
             NaN, +inf and -inf at three fixed positions of every float sample tensor (inputs
             and arguments) first. Index outputs of ops that may order equal values either way
             (sort without stable=True, topk, kthvalue, ...) pass where they pick equal values.
@@ -348,7 +351,7 @@ def _picks_equal_values(op, parts, got, want, tol):
     if spec is None or not isinstance(inp, torch.Tensor) or inp.dim() == 0:
         return False
     dim_at, dim_default, keep_at, index_out = spec
-    stable = kwargs.get("stable", args[2] if op.name == "argsort" and len(args) > 2 else False)
+    stable = kwargs.get("stable", False)
     dim = args[dim_at - 1] if len(args) >= dim_at else kwargs.get("dim", dim_default)
     keepdim = keep_at is not None and (args[keep_at - 1] if len(args) >= keep_at else kwargs.get("keepdim", False))
     gl, wl = tree_leaves(got), tree_leaves(want)
@@ -375,11 +378,73 @@ def _picks_equal_values(op, parts, got, want, tol):
     return bool(((picked == wanted) | (picked.isnan() & wanted.isnan())).all())
 
 
-def _check_sample(op, sample, phase, device, metadata_only, tol=(RTOL, ATOL), nonfinite_seed=None):
+def _in_float64(fn, parts, like):
+    """fn of `parts` with their float tensors in float64, each result rounded to the dtype of the
+    same result in `like` (None where the float64 run fails or returns another structure)."""
+    import torch
+    from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+    memo = {}
+
+    def wide(x):
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            return x
+        if id(x) not in memo:
+            y = x.detach().to(torch.float64)
+            memo[id(x)] = (x, y.requires_grad_(True) if x.requires_grad else y)
+        return memo[id(x)][1]
+
+    try:
+        out = fn(tree_map(wide, parts))
+    except Exception:
+        return None
+    ol, spec = tree_flatten(out)
+    ll, lspec = tree_flatten(like)
+    if spec != lspec:
+        return None
+    return tree_unflatten([o.detach().to(w.dtype) if isinstance(o, torch.Tensor) and isinstance(w, torch.Tensor)
+                           and o.is_floating_point() else o for o, w in zip(ol, ll)], spec)
+
+
+def _no_less_accurate(got, want, ref, tol):
+    """Whether every element of `got` is as near CPU's float64 result `ref` as CPU's own `want`
+    is (twice its error, plus the tolerance), with CPU's NaN and infinities where CPU has them."""
+    import torch
+    from torch.utils._pytree import tree_flatten
+
+    gl, gs = tree_flatten(got)
+    wl, ws = tree_flatten(want)
+    rl, rs = tree_flatten(ref) if ref is not None else (None, None)
+    if ref is None or gs != ws or ws != rs:
+        return False
+    for g, w, r in zip(gl, wl, rl):
+        if not isinstance(w, torch.Tensor):
+            if g != w:
+                return False
+            continue
+        if not isinstance(g, torch.Tensor) or g.shape != w.shape or g.dtype != w.dtype:
+            return False
+        if not w.is_floating_point():
+            if not torch.equal(g, w):
+                return False
+            continue
+        g, w, r = (t.detach().to(torch.float64) for t in (g, w, r))
+        err = ((g - r).abs() <= 2 * (w - r).abs() + tol[1] + tol[0] * r.abs())
+        same = (g == w) | (g.isnan() & w.isnan())
+        if not ((err & w.isfinite()) | same).all():
+            return False
+    return True
+
+
+def _check_sample(op, sample, phase, device, metadata_only, tol=(RTOL, ATOL), nonfinite_seed=None, wide=False):
     """Return ("pass"|"fallback"|"skip", info) or raise for a failure on the lazy side.
 
     With a `nonfinite_seed`, the sample's float tensors first get NaN and infinities (see
-    _inject_nonfinite)."""
+    _inject_nonfinite). With `wide` (half-precision samples), a result that misses CPU's but is
+    as near CPU's float64 result (rounded to the sample's dtype) as CPU's is passes, noted as
+    "float64_reference": ratex and CPU round at different points (ratex keeps float32 between
+    fused ops, CPU rounds after each op of a composite), which a cancellation can blow up into
+    more than a rounding: a batch norm's weight gradient sums terms that cancel to near 0."""
     import ratex.lazy_tensor_core.core.lazy_model as lm
     from ratex.lazy_tensor_core.debug import metrics
 
@@ -410,6 +475,7 @@ def _check_sample(op, sample, phase, device, metadata_only, tol=(RTOL, ATOL), no
     fallbacks = sorted(c for c in metrics.counter_names() if c.startswith("aten::"))
     notes = sorted({str(w.message).splitlines()[0][:300] for w in caught if "ratex" in str(w.message)})
 
+    reference = None
     if random:
         _same_metadata(got, want)
     else:
@@ -417,10 +483,14 @@ def _check_sample(op, sample, phase, device, metadata_only, tol=(RTOL, ATOL), no
             import torch
             torch.testing.assert_close(got, want, rtol=tol[0], atol=tol[1], equal_nan=True)
         except AssertionError as e:
-            if phase != "forward" or not _picks_equal_values(op, parts, got, want, tol):
+            if phase == "forward" and _picks_equal_values(op, parts, got, want, tol):
+                pass
+            elif wide and _no_less_accurate(got, want, _in_float64(fn, _copy_parts(parts), want), tol):
+                reference = "float64"
+            else:
                 raise AssertionError(_mismatch_message(e)) from None
     return ("fallback" if fallbacks else "pass"), {"fallbacks": fallbacks, "notes": notes,
-                                                   "metadata_only": random}
+                                                   "metadata_only": random, "reference": reference}
 
 
 def _flush():
@@ -463,7 +533,7 @@ def check_entry(op, phase, max_samples=DEFAULT_MAX_SAMPLES, device=None, seed=0,
             tried += 1
             try:
                 status, info = _check_sample(op, sample, phase, device, metadata_only, OP_TOLERANCES[dtype],
-                                             seed + tried if nonfinite else None)
+                                             seed + tried if nonfinite else None, wide=dtype != "float32")
             except _CpuFailed as e:
                 result["cpu_failed"] += 1
                 result.setdefault("cpu_error", str(e))
@@ -497,6 +567,8 @@ def _count_sample(result, status, info, fallbacks, notes):
     fallbacks.update(info["fallbacks"])
     notes.update(info["notes"])
     result["metadata_only"] |= info["metadata_only"]
+    if info.get("reference"):
+        result["float64_reference"] = result.get("float64_reference", 0) + 1
     if status == "fallback" and result["status"] != "fail":
         result["status"] = "fallback"
     elif result["status"] == "skip":
@@ -1112,6 +1184,11 @@ def print_report(table, details, top=20, phases=PHASES):
         if fb:
             print(f"\nmost common {phase} fallbacks (entries): "
                   + ", ".join(f"{k} {v}" for k, v in fb.most_common(15)))
+    for phase in phases:
+        wide = sorted(k for k, r in details.get(phase, {}).items() if r.get("float64_reference") and r["status"] != "fail")
+        if wide:
+            print(f"\n{phase}: {len(wide)} entries miss CPU's rounding in some sample but match its float64 result: "
+                  + ", ".join(wide[:20]) + (", ..." if len(wide) > 20 else ""))
     slow = sorted(((res.get("seconds", 0), phase, key) for phase in phases
                    for key, res in details.get(phase, {}).items()), reverse=True)[:10]
     if slow:
