@@ -24,6 +24,7 @@ import torch
 from tvm import relax, te, tirx
 
 from ..dtypes import to_tvm
+from ..schedules import MATERIALIZE
 from .kit import (arg, cast, dtype, emit, emit_te, env, filled, float_compute, horner, is_float, isnan, keep_nan, out_meta,
                   pointwise, round_bf16, shape, to_dtype)
 from .registry import rule
@@ -87,22 +88,43 @@ rule(*_ARITH, *_COMPARE)(_binary)
 
 
 # ---- division with rounding -------------------------------------------------------------------
-def _div_floor(a, b, r):
-    """PyTorch's floor division of floats (c10's div_floor_floating), `r` rounding each result as
-    the dtype's own arithmetic would: from fmod, so a quotient just under an integer does not round
-    up to it first."""
-    dt = dtype(a)
+def _div_floor_te(a, b, r, out_dt):
+    """PyTorch's floor division of floats (c10's div_floor_floating) of te tensors `a` and `b`,
+    `r` rounding each result as the dtype's own arithmetic would: from fmod, so a quotient just
+    under an integer does not round up to it first. Staged, each stage materialized: the bfloat16
+    rounding reads its input four times, and nested into one expression the kernel (and its
+    compile time) would grow exponentially."""
+    dt = a.dtype
     zero, one = tirx.const(0, dt), tirx.const(1, dt)
+
+    def stage(name, f):
+        return te.compute(a.shape, f, name=name, attrs={MATERIALIZE: 1})
+
     # the C library's fmod (TVM has no LLVM lowering of tirx.fmod), exact in float64 and back
-    mod = tirx.call_pure_extern("float64", "fmod", a.astype("float64"), b.astype("float64")).astype(dt)
-    div = r(r(a - mod) / b)
-    # (b < 0) != (mod < 0), spelled out: LLVM takes no float comparison of two bools
-    signs_differ = tirx.any(tirx.all(b < zero, tirx.Not(mod < zero)), tirx.all(tirx.Not(b < zero), mod < zero))
-    div = tirx.Select(tirx.all(mod != zero, signs_differ), r(div - one), div)
-    floor = tirx.floor(div)
-    floor = tirx.Select(r(div - floor) > tirx.const(0.5, dt), r(floor + one), floor)
-    floor = tirx.Select(div == zero, tirx.copysign(zero, a / b), floor)
-    return tirx.Select(b == zero, a / b, floor)
+    mod = stage("fmod", lambda *i: tirx.call_pure_extern("float64", "fmod", a(*i).astype("float64"),
+                                                          b(*i).astype("float64")).astype(dt))
+    div = stage("div_floor_q", lambda *i: r(a(*i) - mod(*i)))
+    div = stage("div_floor_div", lambda *i: r(div(*i) / b(*i)))
+
+    def adjust(*i):
+        m, bb, d = mod(*i), b(*i), div(*i)
+        # (b < 0) != (mod < 0), spelled out: LLVM takes no float comparison of two bools
+        signs_differ = tirx.any(tirx.all(bb < zero, tirx.Not(m < zero)), tirx.all(tirx.Not(bb < zero), m < zero))
+        return tirx.Select(tirx.all(m != zero, signs_differ), r(d - one), d)
+
+    div = stage("div_floor_adjusted", adjust)
+    floor = stage("div_floor_floor", lambda *i: tirx.floor(div(*i)))
+
+    def result(*i):
+        aa, bb, d, f = a(*i), b(*i), div(*i), floor(*i)
+        f = tirx.Select(r(d - f) > tirx.const(0.5, dt), r(f + one), f)
+        f = tirx.Select(d == zero, tirx.copysign(zero, aa / bb), f)
+        value = tirx.Select(bb == zero, aa / bb, f)
+        if out_dt == "bfloat16":
+            value = round_bf16(value)
+        return value.astype(out_dt)
+
+    return te.compute(a.shape, result, name="floor_divide")
 
 
 @rule("div.Tensor_mode", "floor_divide.default")
@@ -124,7 +146,12 @@ def div_mode(imp, node):
         r = lambda v: v  # noqa: E731
     if mode == "trunc":
         return pointwise(imp, node, lambda a, b: tirx.trunc(r(a / b)), compute, nargs=2)
-    return pointwise(imp, node, lambda a, b: _div_floor(a, b, r), compute, nargs=2)
+    out_shape = out_meta(node)[0]
+    xs = []
+    for a in node.args[:2]:
+        x = cast(imp, env(imp, a), compute) if isinstance(a, torch.fx.Node) else relax.const(a, compute)
+        xs.append(x if shape(x) == out_shape else emit(imp, relax.op.broadcast_to(x, out_shape)))
+    return imp.block_builder.emit_te(lambda a, b: _div_floor_te(a, b, r, dt), *xs)
 
 
 @rule("addcmul.default")
