@@ -300,3 +300,17 @@ def test_bfloat16_losses_and_softmax_gradient_sum_in_float32(dev):
     torch.testing.assert_close(lazy.grad.cpu(), cpu.grad, rtol=2 ** -7, atol=2 ** -7 * cpu.grad.abs().max().item())
     torch.testing.assert_close(mse.cpu(), F.mse_loss(a, b), rtol=2 ** -7, atol=0)
     assert not _fallbacks(), _fallbacks()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_half_0dim_tensor_times_a_float_keeps_its_dtype(dev, dtype):
+    """A 0-dim half tensor times or over a Python float stays half, as in PyTorch: the float is not
+    lifted to a float32 0-dim input (CPU reads it at float32 precision) there, which would promote
+    the result to float32."""
+    x = torch.tensor(1.7, dtype=dtype)
+    cases = {"mul": lambda t: t * 0.3, "div": lambda t: t / 0.7, "rmul": lambda t: 0.3 * t,
+             "mul_1d": lambda t: t.expand(3) * 0.3}
+    for name, fn in cases.items():
+        want, got = fn(x), fn(x.to(dev)).cpu()
+        assert got.dtype == want.dtype, name
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=name)

@@ -216,3 +216,41 @@ def test_masked_fill_of_integers_and_bools():
     mask = torch.rand(3, 5) > 0.5
     check(lambda x, m: (x.masked_fill(m, 7), (x > 4).masked_fill(m, True)), torch.arange(15).view(3, 5), mask,
           ops=["masked_fill.Scalar"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_maximum_minimum_and_clamps_let_nan_through(dtype):
+    """PyTorch's maximum, minimum and clamps return NaN where an operand (or a tensor bound) is
+    NaN; TVM's maximum, minimum and clip are comparisons that dropped it, on either side."""
+    n = NAN
+    x = torch.tensor([n, 1.0, -2.0, 3.0, 0.25, 7.0, -INF, n], dtype=dtype)
+    lo = torch.tensor([0.0, n, 0.0, 0.0, 0.5, 0.0, 0.0, n], dtype=dtype)
+    hi = torch.tensor([5.0, 5.0, n, 5.0, 5.0, 5.0, 5.0, 1.0], dtype=dtype)
+    check(lambda t, a, b: (torch.maximum(t, a), torch.minimum(a, t), torch.max(t, b), torch.min(b, t),
+                           torch.clamp(t, a, b), torch.clamp(t, min=a), torch.clamp(t, max=b), torch.clamp_min(t, a),
+                           torch.clamp_max(t, b), torch.clamp_min(t, 0.5), torch.clamp_max(t, 0.5),
+                           torch.clamp(t, -1.0, 2.0), F.hardtanh(t), F.hardtanh(t, -0.5, 1.5), F.relu6(t)),
+          x, lo, hi, ops=["maximum.default", "minimum.default", "clamp.Tensor", "clamp_min.Tensor", "clamp_max.Tensor",
+                          "clamp_min.default", "clamp_max.default", "clamp.default", "hardtanh.default"])
+
+
+def test_clamp_max_with_a_scalar_bound_clamps():
+    """TVM's clamp_max rule reads its bound from a third argument the op does not have: it clamped
+    nothing."""
+    x = torch.randn(4, 5) * 3
+    check(lambda t: (torch.clamp_max(t, 0.5), t.clamp_max(-1), torch.clamp_max(t.int(), 1)), x,
+          ops=["clamp_max.default"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_division_with_rounding_rounds_like_pytorch(dtype):
+    """PyTorch's CPU kernels round a half-precision quotient to its dtype before trunc (a bfloat16
+    quotient of 2.999 is 3) and floor-divide floats through fmod; TVM's rules truncated and floored
+    the float32 quotient, one off near integers. Zeros, signed zeros and division by zero too."""
+    g = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(400, generator=g) * 20).to(dtype), (torch.randn(400, generator=g) * 3).to(dtype)
+    a[:6] = torch.tensor([0.0, -0.0, 5.0, -5.0, 0.0, 7.0])
+    b[:6] = torch.tensor([3.0, 3.0, 0.0, -0.0, -2.0, -7.0])
+    check(lambda x, y: (torch.div(x, y, rounding_mode="trunc"), torch.div(x, y, rounding_mode="floor"),
+                        torch.floor_divide(x, y)),
+          a, b, ops=["div.Tensor_mode", "floor_divide.default"], rtol=0, atol=0)

@@ -296,3 +296,33 @@ def test_multilabel_margin_loss_matches_aten(dev, seeded, shape, reduction):
     assert got.shape == want.shape
     torch.testing.assert_close(got.cpu(), want)
     torch.testing.assert_close(xl.grad.cpu(), x.grad)
+
+
+@pytest.mark.usefixtures("tvm_kernels")
+@pytest.mark.parametrize("params", ["same", "float32", "none"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("training", [True, False])
+def test_half_precision_batch_norm_in_float32(dtype, training, params):
+    """PyTorch's CPU batch norm of a float16/bfloat16 input computes in float32 and rounds each
+    output once, normalizes with the statistics it saves and returns those in the parameters'
+    dtype (float32 beside float32 parameters, else the input's; the meta kernels say float32).
+    Statistics of an input with a large mean lose every digit when accumulated in half precision."""
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(16, 3, 8, 8, generator=g) * 2 + 40).to(dtype)
+    go = torch.randn(16, 3, 8, 8, generator=g).to(dtype)
+    pdt = torch.float32 if params == "float32" else dtype
+    w, b = torch.randn(3, generator=g).to(pdt), torch.randn(3, generator=g).to(pdt)
+    rm, rv = (torch.randn(3, generator=g) + 40).to(pdt), (torch.rand(3, generator=g) + 3).to(pdt)
+    if params == "none":
+        w = b = rm = rv = None
+        training = True
+
+    def fn(x, go, w, b, rm, rv):
+        out, sm, si = aten.native_batch_norm.default(x, w, b, None if rm is None else rm.clone(),
+                                                     None if rv is None else rv.clone(), training, 0.1, 1e-5)
+        grads = aten.native_batch_norm_backward.default(go, x, w, rm, rv, sm, si, training, 1e-5,
+                                                        [True, w is not None, w is not None])
+        return (out, sm, si) + tuple(grads) if training else (out,) + tuple(grads)
+
+    check(fn, x, go, w, b, rm, rv, ops=["native_batch_norm.default", "native_batch_norm_backward.default"],
+          rtol=1.6e-2, atol=1e-2)

@@ -78,3 +78,35 @@ def test_running_extremes_and_logcumsumexp():
                               torch.logcumsumexp(b, 1), torch.logcumsumexp(b, 0), torch.logcumsumexp(a * 20, 0)),
           x, y, torch.randint(0, 3, (4, 5)), torch.tensor(2.0),
           ops=["cummax.default", "cummin.default", "logcumsumexp.default"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_max_and_min_reductions_return_nan(dtype):
+    """A NaN in a slice is its max and its min (TVM's comparisons skipped it), the inf norms too."""
+    x = torch.tensor([[1.0, NAN, 3.0, -2.0], [4.0, 0.5, 2.0, 1.0], [NEG_INF, NEG_INF, NAN, NEG_INF]], dtype=dtype)
+    check(lambda t: (t.amax(-1), t.amin(1, keepdim=True), t.amax(0), t.max(), t[1].min(), t[:, :2].amax(),
+                     torch.linalg.vector_norm(t.float(), INF, dim=1), torch.linalg.vector_norm(t.float(), -INF, dim=0),
+                     torch.linalg.vector_norm(t.float(), INF)),
+          x, ops=["amax.default", "amin.default", "max.default", "min.default", "linalg_vector_norm.default"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_sort_and_topk_order_nan_as_the_largest(dtype):
+    """NaN sorts last ascending and first descending, with its index; -0.0 equals 0.0 (so a stable
+    sort keeps their order); median is NaN with the first NaN's index where the slice holds one."""
+    x = torch.tensor([[1.0, NAN, 3.0, -2.0, INF, NEG_INF], [0.0, -0.0, 2.0, NAN, 0.0, NAN],
+                      [4.0, 0.5, 2.0, 1.0, -0.0, 3.0]], dtype=dtype)
+    check(lambda t: (torch.sort(t, -1), torch.sort(t, 1, descending=True), torch.sort(t, stable=True),
+                     torch.sort(t, dim=0, descending=True, stable=True), torch.argsort(t, dim=1, stable=True),
+                     torch.topk(t, 3), torch.topk(t, 2, dim=0, largest=False), torch.median(t, 1), torch.median(t[2]),
+                     torch.median(t, 0, keepdim=True)),
+          x, ops=["sort.default", "sort.stable", "topk.default", "median.dim", "median.default"])
+
+
+def test_bfloat16_sort_and_topk_sort():
+    """TVM's CPU sort kernel has no bfloat16: the values came out unsorted, the indices wrong.
+    Distinct values (eighths, exact in bfloat16): PyTorch's default sort orders ties either way."""
+    x = ((torch.randperm(240) - 120) / 8).reshape(6, 40).bfloat16()
+    check(lambda t: (torch.sort(t, -1), torch.sort(t, dim=0, descending=True, stable=True), torch.topk(t, 5),
+                     torch.topk(t, 3, dim=0, largest=False), torch.msort(t)),
+          x, ops=["sort.default", "sort.stable", "topk.default"])

@@ -67,8 +67,30 @@ def _run(op, spec, in_metas):
     if isinstance(out, torch.Tensor):
         return _pack([out], "tensor")
     if isinstance(out, (tuple, list)) and out and all(o is None or isinstance(o, torch.Tensor) for o in out):
+        if id(op) in _BATCH_NORMS:
+            out = _batch_norm_stats_dtype(out, args)
         return _pack(list(out), "tuple" if isinstance(out, tuple) else "list")
     return NoMeta(f"{op} returns {type(out).__name__}, not tensors")
+
+
+_aten = torch.ops.aten
+_BATCH_NORMS = {id(op) for op in (
+    _aten.native_batch_norm.default, _aten._native_batch_norm_legit.default, _aten._native_batch_norm_legit.no_stats,
+    _aten._native_batch_norm_legit_no_training.default, _aten._native_batch_norm_legit_functional.default,
+    _aten._batch_norm_with_update.default, _aten._batch_norm_no_update.default)}
+
+
+def _batch_norm_stats_dtype(out, args):
+    """The saved mean and inverse std of a float16/bfloat16 batch norm in the dtype CPU PyTorch
+    returns them in: float32 where a weight, bias or running statistic is float32, else the
+    input's dtype. The meta kernels say float32 either way."""
+    x = args[0]
+    if x.dtype not in (torch.float16, torch.bfloat16):
+        return out
+    params = [a for a in args[1:5] if isinstance(a, torch.Tensor)]
+    dt = torch.float32 if any(p.dtype == torch.float32 for p in params) else x.dtype
+    return type(out)(o.to(dt) if i in (1, 2) and o is not None and o.dtype == torch.float32 else o
+                     for i, o in enumerate(out))
 
 
 def _pack(outs, kind):

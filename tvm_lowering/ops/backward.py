@@ -472,7 +472,12 @@ def native_batch_norm_backward(imp, node):
     train = arg(node, 7, "train")
     eps = arg(node, 8, "eps")
     mask = _mask(node, 9, "output_mask", 3)
-    dt = dtype(x)
+    # float16/bfloat16 in float32, each gradient rounded once (PyTorch's CPU kernel); the saved
+    # statistics may come in float32 beside a bfloat16 input
+    dts = [dtype(x), dtype(w) if w is not None else None, dtype(w) if w is not None else None]
+    dt = "float32" if dtype(x) in ("float16", "bfloat16") else dtype(x)
+    go, x, w, rm, rv, save_mean, save_invstd = (None if t is None else cast(imp, t, dt)
+                                                for t in (go, x, w, rm, rv, save_mean, save_invstd))
     nd = len(shape(x))
     axes = [0] + list(range(2, nd))
 
@@ -499,7 +504,9 @@ def native_batch_norm_backward(imp, node):
         gw = emit(imp, op.sum(op.multiply(go, xhat), axis=axes))
     if mask[2]:
         gb = emit(imp, op.sum(go, axis=axes))
-    return tuple_out(imp, node, [gi, gw, gb])
+    grads = [None if g is None else to_dtype(imp, g, out_meta(node, i)[1] if out_meta(node, i) else want)
+             for i, (g, want) in enumerate(zip((gi, gw, gb), dts))]
+    return tuple_out(imp, node, grads)
 
 
 # ---- embedding --------------------------------------------------------------------------------

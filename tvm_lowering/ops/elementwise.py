@@ -24,8 +24,9 @@ import torch
 from tvm import relax, te, tirx
 
 from ..dtypes import to_tvm
-from .kit import (arg, cast, dtype, emit, emit_te, env, filled, float_compute, horner, is_float, isnan, out_meta, pointwise,
-                  round_bf16, shape, to_dtype)
+from ..schedules import MATERIALIZE
+from .kit import (arg, cast, dtype, emit, emit_te, env, filled, float_compute, horner, is_float, isnan, keep_nan, out_meta,
+                  pointwise, round_bf16, shape, to_dtype)
 from .registry import rule
 
 
@@ -39,7 +40,9 @@ from .registry import rule
 _ARITH = {
     "add.Tensor": relax.op.add, "sub.Tensor": relax.op.subtract, "mul.Tensor": relax.op.multiply,
     "div.Tensor": relax.op.divide, "maximum.default": relax.op.maximum, "minimum.default": relax.op.minimum,
+    "max.other": relax.op.maximum, "min.other": relax.op.minimum,
 }
+_NAN_PICKING = {"maximum.default", "minimum.default", "max.other", "min.other"}  # a NaN operand wins, as in PyTorch
 _COMPARE = {
     f"{name}.{kind}": op
     for name, op in (("lt", relax.op.less), ("le", relax.op.less_equal), ("gt", relax.op.greater),
@@ -76,10 +79,79 @@ def _binary(imp, node):
     if alpha != 1:
         operands[1] = bb.emit(relax.op.multiply(operands[1], relax.const(alpha, compute)))
     out = bb.emit({**_ARITH, **_COMPARE}[name](*operands))
+    if name in _NAN_PICKING:
+        out = keep_nan(imp, out, *operands)
     return out if compute == out_dtype else to_dtype(imp, out, out_dtype)
 
 
 rule(*_ARITH, *_COMPARE)(_binary)
+
+
+# ---- division with rounding -------------------------------------------------------------------
+def _div_floor_te(a, b, r, out_dt):
+    """PyTorch's floor division of floats (c10's div_floor_floating) of te tensors `a` and `b`,
+    `r` rounding each result as the dtype's own arithmetic would: from fmod, so a quotient just
+    under an integer does not round up to it first. Staged, each stage materialized: the bfloat16
+    rounding reads its input four times, and nested into one expression the kernel (and its
+    compile time) would grow exponentially."""
+    dt = a.dtype
+    zero, one = tirx.const(0, dt), tirx.const(1, dt)
+
+    def stage(name, f):
+        return te.compute(a.shape, f, name=name, attrs={MATERIALIZE: 1})
+
+    # the C library's fmod (TVM has no LLVM lowering of tirx.fmod), exact in float64 and back
+    mod = stage("fmod", lambda *i: tirx.call_pure_extern("float64", "fmod", a(*i).astype("float64"),
+                                                          b(*i).astype("float64")).astype(dt))
+    div = stage("div_floor_q", lambda *i: r(a(*i) - mod(*i)))
+    div = stage("div_floor_div", lambda *i: r(div(*i) / b(*i)))
+
+    def adjust(*i):
+        m, bb, d = mod(*i), b(*i), div(*i)
+        # (b < 0) != (mod < 0), spelled out: LLVM takes no float comparison of two bools
+        signs_differ = tirx.any(tirx.all(bb < zero, tirx.Not(m < zero)), tirx.all(tirx.Not(bb < zero), m < zero))
+        return tirx.Select(tirx.all(m != zero, signs_differ), r(d - one), d)
+
+    div = stage("div_floor_adjusted", adjust)
+    floor = stage("div_floor_floor", lambda *i: tirx.floor(div(*i)))
+
+    def result(*i):
+        aa, bb, d, f = a(*i), b(*i), div(*i), floor(*i)
+        f = tirx.Select(r(d - f) > tirx.const(0.5, dt), r(f + one), f)
+        f = tirx.Select(d == zero, tirx.copysign(zero, aa / bb), f)
+        value = tirx.Select(bb == zero, aa / bb, f)
+        if out_dt == "bfloat16":
+            value = round_bf16(value)
+        return value.astype(out_dt)
+
+    return te.compute(a.shape, result, name="floor_divide")
+
+
+@rule("div.Tensor_mode", "floor_divide.default")
+def div_mode(imp, node):
+    """Floats divided with trunc or floor rounding as PyTorch's CPU kernels divide: a half-precision
+    quotient rounds to its dtype before trunc (a bfloat16 quotient of 2.999 is 3), floor division
+    goes through fmod, each step in the dtype's precision; other dtypes are TVM's rules."""
+    name = node.target.__name__
+    _, dt = out_meta(node)
+    mode = "floor" if name == "floor_divide.default" else node.kwargs.get("rounding_mode", arg(node, 2, "rounding_mode"))
+    if not is_float(dt) or mode not in ("trunc", "floor"):
+        return imp.tvm_rules[name](node)
+    compute = float_compute(node)
+    if dt == "bfloat16":
+        r = round_bf16
+    elif dt == "float16":
+        r = lambda v: v.astype("float16").astype("float32")  # noqa: E731
+    else:
+        r = lambda v: v  # noqa: E731
+    if mode == "trunc":
+        return pointwise(imp, node, lambda a, b: tirx.trunc(r(a / b)), compute, nargs=2)
+    out_shape = out_meta(node)[0]
+    xs = []
+    for a in node.args[:2]:
+        x = cast(imp, env(imp, a), compute) if isinstance(a, torch.fx.Node) else relax.const(a, compute)
+        xs.append(x if shape(x) == out_shape else emit(imp, relax.op.broadcast_to(x, out_shape)))
+    return imp.block_builder.emit_te(lambda a, b: _div_floor_te(a, b, r, dt), *xs)
 
 
 @rule("addcmul.default")
@@ -140,13 +212,19 @@ def masked_fill(imp, node):
 
 
 # ---- clamps -----------------------------------------------------------------------------------
-@rule("clamp.default")
+@rule("clamp.default", "clamp_min.default", "clamp_max.default")
 def clamp(imp, node):
     """Bounds in the output dtype; an absent bound is no bound (TVM's rule passes +-inf, which an
-    integer tensor can't hold); NaN inputs stay NaN."""
+    integer tensor can't hold); NaN inputs stay NaN. TVM's clamp_max reads its bound from the
+    third argument, which it does not have, so clamped nothing."""
     _, dt = out_meta(node)
     x = cast(imp, env(imp, node.args[0]), dt)
-    lo, hi = arg(node, 1, "min"), arg(node, 2, "max")
+    name = node.target.__name__
+    if name == "clamp.default":
+        lo, hi = arg(node, 1, "min"), arg(node, 2, "max")
+    else:
+        bound = arg(node, 1, name[6:9])
+        lo, hi = (bound, None) if name.startswith("clamp_min") else (None, bound)
     if any(isinstance(b, float) and math.isnan(b) for b in (lo, hi)):
         return filled(imp, node, math.nan)  # a NaN bound makes every element NaN
     out = x
@@ -154,26 +232,38 @@ def clamp(imp, node):
         out = emit(imp, relax.op.maximum(out, relax.const(lo, dt)))
     if hi is not None:
         out = emit(imp, relax.op.minimum(out, relax.const(hi, dt)))
-    if is_float(dt):  # TVM's isnan takes no bfloat16: test the exact float32 value
-        nan = relax.op.isnan(cast(imp, x, "float32") if dt == "bfloat16" else x)
-        out = emit(imp, relax.op.where(nan, x, out))
-    return out
+    return keep_nan(imp, out, x)
+
+
+@rule("hardtanh.default", "relu6.default")
+def hardtanh(imp, node):
+    """TVM's clip, which has a gradient for jit.script, but NaN staying NaN (its comparisons made
+    it max_val)."""
+    x = env(imp, node.args[0])
+    if node.target.__name__.startswith("relu6"):
+        lo, hi = 0.0, 6.0
+    else:
+        lo, hi = arg(node, 1, "min_val", -1.0), arg(node, 2, "max_val", 1.0)
+    return keep_nan(imp, emit(imp, relax.op.clip(x, lo, hi)), x)
 
 
 @rule("clamp.Tensor", "clamp_min.Tensor", "clamp_max.Tensor")
 def clamp_tensor(imp, node):
-    """Bounds of another dtype are promoted with the input first (TVM's rule mixes dtypes)."""
+    """Bounds of another dtype are promoted with the input first (TVM's rule mixes dtypes); a NaN
+    in the input or a bound gives NaN, as in PyTorch."""
     x = env(imp, node.args[0])
     name = node.target.__name__
     _, dt = out_meta(node)
     lo = arg(node, 1, "min") if not name.startswith("clamp_max") else None
     hi = arg(node, 2, "max") if name.startswith("clamp.") else arg(node, 1, "max") if name.startswith("clamp_max") else None
-    out = cast(imp, x, dt)
-    if lo is not None:
-        out = emit(imp, relax.op.maximum(out, cast(imp, env(imp, lo), dt)))
-    if hi is not None:
-        out = emit(imp, relax.op.minimum(out, cast(imp, env(imp, hi), dt)))
-    return out
+    x = cast(imp, x, dt)
+    bounds = [cast(imp, env(imp, b), dt) if b is not None else None for b in (lo, hi)]
+    out = x
+    if bounds[0] is not None:
+        out = emit(imp, relax.op.maximum(out, bounds[0]))
+    if bounds[1] is not None:
+        out = emit(imp, relax.op.minimum(out, bounds[1]))
+    return keep_nan(imp, out, x, *(b for b in bounds if b is not None))
 
 
 @rule("isnan.default", "isinf.default", "isfinite.default")

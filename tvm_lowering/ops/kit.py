@@ -353,3 +353,24 @@ def scatter_into(imp, x, axis, index, src, reduce, include_self=True):
     count = emit(imp, relax.op.maximum(count, relax.const(1, dtype(x))))  # nothing met x here: x / 1
     divide = relax.op.divide if is_float(dtype(x)) else relax.op.floor_divide
     return emit(imp, divide(total, count))
+
+
+# ---- NaN, as PyTorch propagates it ------------------------------------------------------------
+def nan_mask(imp, x):
+    """Bool tensor: where the float tensor x is NaN (a half-precision x is widened first, exactly:
+    TVM's isnan takes no bfloat16)."""
+    return emit(imp, relax.op.isnan(cast(imp, x, "float32") if dtype(x) in ("bfloat16", "float16") else x))
+
+
+def keep_nan(imp, out, *xs):
+    """`out`, NaN wherever one of the tensors `xs` (broadcast to out's shape) is NaN.
+
+    PyTorch's max, min and clamp let a NaN operand through; TVM's maximum, minimum and clip are
+    comparisons that drop it (maximum(NaN, 3) is 3), and integer operands are never NaN. The NaN
+    is a constant, so in a jit.script forward no gradient flows through it (PyTorch's is 0 there)."""
+    if not is_float(dtype(out)):
+        return out
+    for x in xs:
+        if is_float(dtype(x)):
+            out = emit(imp, relax.op.where(nan_mask(imp, x), relax.const(math.nan, dtype(out)), out))
+    return out

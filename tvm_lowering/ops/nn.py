@@ -205,22 +205,32 @@ def native_batch_norm(imp, node):
         rm, rv = env(imp, arg(node, 3, "running_mean")), env(imp, arg(node, 4, "running_var"))
         training, momentum, eps = arg(node, 5, "training"), arg(node, 6, "momentum"), arg(node, 7, "eps")
     dt = dtype(x)
+    # float16/bfloat16 in float32, rounded once, as PyTorch's CPU kernel; it returns the saved
+    # statistics in the parameters' dtype, which its shape inference says is float32.
+    param_dt = next((dtype(t) for t in (w, rm) if t is not None), dt)
+    acc = "float32" if dt in ("float16", "bfloat16") else dt
+    x, w, b, rm, rv = (None if t is None else cast(imp, t, acc) for t in (x, w, b, rm, rv))
     nd = len(shape(x))
     axes = [0] + list(range(2, nd))
     if training:
         mean = emit(imp, relax.op.mean(x, axis=axes))
         xc = emit(imp, relax.op.subtract(x, _bn_bcast(imp, mean, nd)))
         var = emit(imp, relax.op.mean(relax.op.multiply(xc, xc), axis=axes))
-        invstd = emit(imp, relax.op.rsqrt(relax.op.add(var, scalar(eps, dt))))
+        invstd = emit(imp, relax.op.rsqrt(relax.op.add(var, scalar(eps, acc))))
         save_mean, save_invstd = mean, invstd
+        if acc != dt and param_dt == dt:
+            # PyTorch's CPU kernel normalizes with the statistics it saves, rounded to half
+            # precision (a mean of 40 in bfloat16 is off by up to 0.125)
+            mean, invstd = (cast(imp, to_dtype(imp, t, dt), acc) for t in (mean, invstd))
+            xc = emit(imp, relax.op.subtract(x, _bn_bcast(imp, mean, nd)))
     else:
         if rm is None or rv is None:
             raise NotImplementedError("eval-mode batch norm without running stats")
         xc = emit(imp, relax.op.subtract(x, _bn_bcast(imp, rm, nd)))
-        invstd = emit(imp, relax.op.rsqrt(relax.op.add(rv, scalar(eps, dt))))
+        invstd = emit(imp, relax.op.rsqrt(relax.op.add(rv, scalar(eps, acc))))
         # PyTorch CPU returns empty save_mean/save_invstd in eval mode.
-        save_mean = zeros(imp, out_meta(node, 1)[0], dt)
-        save_invstd = zeros(imp, out_meta(node, 2)[0], dt)
+        save_mean = zeros(imp, out_meta(node, 1)[0], acc)
+        save_invstd = zeros(imp, out_meta(node, 2)[0], acc)
     out = emit(imp, relax.op.multiply(xc, _bn_bcast(imp, invstd, nd)))
     if w is not None:
         out = emit(imp, relax.op.multiply(out, _bn_bcast(imp, w, nd)))
@@ -231,10 +241,15 @@ def native_batch_norm(imp, node):
         if training:
             # The running variance is unbiased, as PyTorch keeps it: var * n / (n - 1).
             n = math.prod(shape(x)) // shape(x)[1]
-            unbiased = relax.op.multiply(var, scalar(n / max(n - 1, 1), dt))
-            rm = emit(imp, _lerp(rm, mean, momentum, dt))
-            rv = emit(imp, _lerp(rv, unbiased, momentum, dt))
+            unbiased = relax.op.multiply(var, scalar(n / max(n - 1, 1), acc))
+            rm = emit(imp, _lerp(rm, save_mean, momentum, acc))
+            rv = emit(imp, _lerp(rv, unbiased, momentum, acc))
         outs += [rm, rv]
+    if acc != dt:
+        outs = [to_dtype(imp, outs[0], dt)] + \
+            [cast(imp, to_dtype(imp, t, param_dt) if i in (1, 2) else t, out_meta(node, i)[1]) if t is not None else t
+             for i, t in enumerate(outs) if i]
+        outs = [to_dtype(imp, t, out_meta(node, i)[1]) if i > 2 else t for i, t in enumerate(outs)]
     return emit(imp, relax.Tuple(outs))
 
 

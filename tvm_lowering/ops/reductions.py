@@ -13,8 +13,8 @@ from tvm import relax, te, tirx
 from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as T
 
-from .kit import (arg, cast, dtype, emit, emit_host_kernel, env, filled, is_float, isnan, norm_dims, out_meta, shape,
-                  to_dtype)
+from .kit import (arg, cast, dtype, emit, emit_host_kernel, emit_te, env, filled, is_float, isnan, nan_mask, norm_dims,
+                  out_meta, shape, to_dtype)
 from .registry import rule
 
 
@@ -133,10 +133,11 @@ def any_(imp, node):
 
 # ---- max and min, and where they are ----------------------------------------------------------
 def extreme(imp, x, axes, keepdims, largest):
-    """max (or min) over `axes`, -inf (+inf) where every element is -inf (+inf).
+    """max (or min) over `axes`, -inf (+inf) where every element is -inf (+inf), NaN where one is.
 
     TVM's max reduction starts from the lowest finite value, so a slice of only -inf
-    (a fully masked attention row) came out as -3.4e38 instead of -inf.
+    (a fully masked attention row) came out as -3.4e38 instead of -inf; its comparisons skip
+    a NaN, which PyTorch's max returns.
     """
     reduce = relax.op.max if largest else relax.op.min
     out = emit(imp, reduce(x, axis=axes, keepdims=keepdims))
@@ -146,7 +147,9 @@ def extreme(imp, x, axes, keepdims, largest):
     inf = relax.const(-np.inf if largest else np.inf, dt)
     hit = emit(imp, relax.op.astype(relax.op.equal(x, inf), "int8"))
     every = emit(imp, relax.op.equal(relax.op.min(hit, axis=axes, keepdims=keepdims), relax.const(1, "int8")))
-    return emit(imp, relax.op.where(every, inf, out))
+    out = emit(imp, relax.op.where(every, inf, out))
+    nan = emit(imp, relax.op.max(cast(imp, nan_mask(imp, x), "int8"), axis=axes, keepdims=keepdims))
+    return emit(imp, relax.op.where(cast(imp, nan, "bool"), relax.const(np.nan, dt), out))
 
 
 @rule("amax.default", "amin.default", "max.default", "min.default")
@@ -221,13 +224,14 @@ def max_dim(imp, node):
 def vector_norm(imp, node):
     """ord 0 counts non-zeros (TVM's rule divides by it); a 0-dim norm is |x| (TVM's sums over a
     dim it lacks); norms over every dim are computed here (TVM's rule reads an empty dim list as
-    no dims), and every half-precision norm (in float32); other cases are TVM's."""
+    no dims), and every half-precision norm (in float32) and max or min norm (NaN where the slice
+    holds one: TVM's max drops it); other cases are TVM's."""
     x = env(imp, node.args[0])
     nd = len(shape(x))
     order = float(arg(node, 1, "ord", 2))
     dims = arg(node, 2, "dim", None)
     every = dims is None or (not isinstance(dims, int) and len(dims) == 0)
-    if order != 0 and nd and not every and out_meta(node)[1] not in _HALF:
+    if order not in (0, np.inf, -np.inf) and nd and not every and out_meta(node)[1] not in _HALF:
         return imp.tvm_rules["linalg_vector_norm.default"](node)
     _, dt = out_meta(node)
     if not nd:
@@ -243,7 +247,7 @@ def _norm(imp, x, order, axes, keepdim, dt):
         return emit(imp, relax.op.sum(nonzero, axis=axes, keepdims=keepdim))
     a = emit(imp, relax.op.abs(cast(imp, x, dt)))
     if order in (np.inf, -np.inf):
-        return emit(imp, (relax.op.max if order > 0 else relax.op.min)(a, axis=axes, keepdims=keepdim))
+        return extreme(imp, a, axes, keepdim, largest=order > 0)
     if order == 1:
         return emit(imp, relax.op.sum(a, axis=axes, keepdims=keepdim))
     if order == 2:
@@ -356,3 +360,122 @@ def logcumsumexp(imp, node):
     # One output: the extern returns a tensor, not a tuple.
     out = emit_host_kernel(imp, "logcumsumexp", lambda t: _scan_te(t, step, ("float64",), "logcumsumexp"), data)
     return cast(imp, emit(imp, relax.op.reshape(out, shape(x))), dt)
+
+
+# ---- sorting ----------------------------------------------------------------------------------
+# TVM sorts with comparisons, which NaN breaks (a NaN stayed where it was and took its
+# neighbours' order with it), and its CPU sort kernel has no bfloat16 (the values came out
+# unsorted). PyTorch sorts NaN above +inf and -0.0 equal to 0.0. These rules sort an integer
+# key that orders as PyTorch does and gather the values at the indices found: TVM sorts
+# integers right, stably on the CPU (equal keys keep their order, ascending or descending, as
+# PyTorch's stable sort does).
+_KEY_BITS = {"float32": "int32", "float64": "int64"}
+
+
+def _sort_key_te(x):
+    """x's elements as signed integers in PyTorch's sort order: the float's bits, with the
+    magnitude bits of negatives flipped; -0.0 as 0.0; every NaN as the largest integer."""
+    dt = str(x.dtype)
+    bits = _KEY_BITS[dt]
+    top = tirx.const((1 << (int(bits[3:]) - 1)) - 1, bits)
+
+    def key(v):
+        raw = tirx.reinterpret(bits, v)
+        k = tirx.Select(raw < tirx.const(0, bits), tirx.bitwise_xor(raw, top), raw)
+        k = tirx.Select(v == tirx.const(0, dt), tirx.const(0, bits), k)
+        return tirx.Select(tirx.isnan(v), top, k)
+
+    return te.compute(x.shape, lambda *i: key(x(*i)), name="sort_key")
+
+
+def sort_key(imp, x):
+    """An integer tensor of x's shape that sorts as PyTorch sorts x (see _sort_key_te)."""
+    dt = dtype(x)
+    if not is_float(dt):
+        return x if dt in ("int32", "int64") else cast(imp, x, "int32")
+    return emit_te(imp, _sort_key_te, cast(imp, x, "float64" if dt == "float64" else "float32"))
+
+
+def _sorted_indices(imp, x, axis, descending):
+    """int64 indices that sort x along `axis` as PyTorch's stable sort does."""
+    return emit(imp, relax.op.argsort(sort_key(imp, x), axis=axis, descending=descending, dtype="int64"))
+
+
+@rule("sort.default", "sort.stable")
+def sort(imp, node):
+    """(values, indices): NaN last ascending and first descending, equal values in their order."""
+    x = env(imp, node.args[0])
+    stable_form = node.target.__name__ == "sort.stable"
+    dim = node.kwargs.get("dim", -1) if stable_form else arg(node, 1, "dim", -1)
+    descending = node.kwargs.get("descending", False) if stable_form else arg(node, 2, "descending", False)
+    if not shape(x):
+        return emit(imp, relax.Tuple([x, relax.const(0, "int64")]))
+    axis = dim % len(shape(x))
+    idx = _sorted_indices(imp, x, axis, bool(descending))
+    return emit(imp, relax.Tuple([emit(imp, relax.op.gather_elements(x, idx, axis=axis)), idx]))
+
+
+@rule("argsort.default", "argsort.stable")
+def argsort(imp, node):
+    """The indices of sort (a jit.script trace records argsort whole)."""
+    x = env(imp, node.args[0])
+    stable_form = node.target.__name__ == "argsort.stable"
+    dim = node.kwargs.get("dim", -1) if stable_form else arg(node, 1, "dim", -1)
+    descending = node.kwargs.get("descending", False) if stable_form else arg(node, 2, "descending", False)
+    if not shape(x):
+        return relax.const(0, "int64")
+    return _sorted_indices(imp, x, dim % len(shape(x)), bool(descending))
+
+
+@rule("topk.default")
+def topk(imp, node):
+    """(values, indices) of the k largest (smallest), NaN the largest, in sorted order (also for
+    sorted=False, whose order PyTorch leaves open)."""
+    x = env(imp, node.args[0])
+    k = arg(node, 1, "k")
+    dim, largest = arg(node, 2, "dim", -1), arg(node, 3, "largest", True)
+    if not shape(x):
+        return emit(imp, relax.Tuple([x, relax.const(0, "int64")]))
+    axis = dim % len(shape(x))
+    if k == 0:
+        shp = shape(x)
+        shp[axis] = 0
+        return emit(imp, relax.Tuple([emit(imp, relax.op.zeros(relax.ShapeExpr(shp), dtype(x))),
+                                      emit(imp, relax.op.zeros(relax.ShapeExpr(shp), "int64"))]))
+    found = emit(imp, relax.op.topk(sort_key(imp, x), k=k, axis=axis, ret_type="indices", largest=bool(largest),
+                                    dtype="int64"))
+    return emit(imp, relax.Tuple([emit(imp, relax.op.gather_elements(x, found, axis=axis)), found]))
+
+
+@rule("median.default", "median.dim")
+def median(imp, node):
+    """The lower of the two middle values (value and index for median.dim), or where the slice
+    holds a NaN, NaN and the index of its first NaN, as PyTorch: the position is found in x sorted
+    stably, where the NaNs come last in their order."""
+    x = env(imp, node.args[0])
+    with_dim = node.target.__name__ == "median.dim"
+    keepdim = arg(node, 2, "keepdim", False) if with_dim else False
+    if not shape(x):
+        return emit(imp, relax.Tuple([x, relax.const(0, "int64")])) if with_dim else x
+    if not with_dim:
+        x = emit(imp, relax.op.reshape(x, [-1]))
+    axis = arg(node, 1, "dim") % len(shape(x)) if with_dim else 0
+    n = shape(x)[axis]
+    if n == 0:
+        raise NotImplementedError("median of an empty slice (PyTorch raises)")
+    order = _sorted_indices(imp, x, axis, False)
+    at = relax.const((n - 1) // 2, "int64")
+    if is_float(dtype(x)):
+        wide = cast(imp, x, "float64" if dtype(x) == "float64" else "float32")
+        nans = emit(imp, relax.op.sum(cast(imp, emit(imp, relax.op.isnan(wide)), "int64"), axis=[axis], keepdims=True))
+        at = emit(imp, relax.op.where(relax.op.greater(nans, relax.const(0, "int64")),
+                                      relax.op.subtract(relax.const(n, "int64"), nans), at))
+    else:
+        at = emit(imp, relax.op.full([1 if d == axis else s for d, s in enumerate(shape(x))], at, "int64"))
+    index = emit(imp, relax.op.gather_elements(order, at, axis=axis))
+    value = emit(imp, relax.op.gather_elements(x, index, axis=axis))
+    if not with_dim:
+        return emit(imp, relax.op.reshape(value, []))
+    if not keepdim:
+        value, index = (emit(imp, relax.op.squeeze(t, axis=[axis])) for t in (value, index))
+    return emit(imp, relax.Tuple([value, index]))

@@ -157,12 +157,16 @@ def lift_scalar(func, args):
     first, scalar = args[0], args[1]
     t = type(first)
     if t is LazyTensor:
-        dtype = first._sig[2]
+        shape, dtype = first._sig[0], first._sig[2]
     elif t is Value:
-        dtype = first.value[0].metas[first.value[1]].dtype
+        shape, dtype = first.value[0].metas[first.value[1]]
     elif isinstance(first, LazyTensor):
-        dtype = first.dtype
+        shape, dtype = first.shape, first.dtype
     else:
+        return func, args
+    if not shape and lifted_dtype(func, dtype) != float_scalar_dtype(dtype):
+        # A float32 0-dim input next to a 0-dim half tensor would promote the product to float32
+        # (a Python scalar does not): the scalar stays a constant.
         return func, args
     if not liftable(scalar):
         # x * 0 as a constant is folded to 0 by TVM's simplifier, but NaN * 0 and inf * 0 are NaN.
