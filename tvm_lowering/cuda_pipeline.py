@@ -18,9 +18,8 @@ TVM_CUDA_NVCC_NO_FAST_MATH is set). That is not PyTorch's arithmetic: every powf
 exp2(y * log2(x)), NaN for a negative base, so `x.pow(3)` of a negative x, GPT-2's gelu and
 T5's `pow(2).mean()` gave NaN; sinf, expf and logf become their approximate intrinsics,
 division and sqrt approximate, denormals flushed to zero. `compile_cuda` (TVM's compile hook)
-compiles without it: with NVRTC, its options filtered, or with nvcc where cuda-python is missing.
+compiles with TVM's NVRTC path, the flag taken out of its options.
 """
-import os
 import re
 import threading
 
@@ -81,14 +80,6 @@ _FAST_MATH = b"--use_fast_math"
 _NVRTC_LOCK = threading.Lock()
 
 
-def _has_nvrtc() -> bool:
-    try:
-        from cuda.bindings import nvrtc  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def _compile_nvrtc_precise(code: str) -> bytes:
     """TVM's NVRTC compile of `code` with `--use_fast_math` taken out of its options (TVM's
     function adds it unconditionally; its NVRTC module is looked up at each call)."""
@@ -109,16 +100,13 @@ def _compile_nvrtc_precise(code: str) -> bytes:
 
 
 def compile_cuda(code: str, target=None) -> bytes:
-    """Compile CUDA source `code` (TVM's `tvm_callback_cuda_compile`; `target`, which TVM's C++ side
-    passes, is also the current target) without fast math: with NVRTC, as TVM does, where
-    cuda-python has it, else with nvcc; TVM_CUDA_COMPILE_MODE=nvcc|nvrtc picks one."""
-    mode = os.environ.get("TVM_CUDA_COMPILE_MODE", "").lower()
-    if mode not in ("", "nvcc", "nvrtc"):
-        raise ValueError(f"TVM_CUDA_COMPILE_MODE={mode!r}: expected 'nvcc' or 'nvrtc'")
-    if mode == "nvrtc" or (mode == "" and _has_nvrtc()):
+    """Compile CUDA source `code` with NVRTC, as TVM's `tvm_callback_cuda_compile` does, but without
+    fast math (`target`, which TVM's C++ side passes, is also the current target)."""
+    try:
         return _compile_nvrtc_precise(code)
-    os.environ["TVM_CUDA_NVCC_NO_FAST_MATH"] = "1"  # TVM's nvcc command line reads it at each call
-    return _nvcc.compile_cuda(code, target_format="fatbin", compiler="nvcc")
+    except ImportError as e:
+        raise RuntimeError("compiling CUDA kernels needs NVRTC from cuda-python (pip install cuda-bindings, "
+                           f"the build matching your CUDA): {e}") from e
 
 
 tvm.register_global_func("tvm_callback_cuda_compile", compile_cuda, override=True)
