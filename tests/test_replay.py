@@ -134,6 +134,7 @@ def test_training_steps_replay_and_read_mid_step(dev, cuts):
     for a, b in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(a.cpu(), b, rtol=1e-5, atol=1e-6)
     # step 0 makes the momentum buffers; step 1 reads the loss (the forward) and then cuts the
-    # whole step (the forward again, for the gradients), which every later step replays
+    # whole step (the forward again, for the gradients), which every later step replays; later
+    # reads replay theirs
     assert cuts[0] == 3
 

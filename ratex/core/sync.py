@@ -55,7 +55,11 @@ def _read(values: list, aliasing: bool):
     live = storage.pending_storages()
     roots = [v for v in values if v[0].results[v[1]] is None]
     if live and roots:
-        inside = frozenset(cut(roots).nodes)
+        graph = replay(roots)  # a loop reads the same values step after step: no walk for them
+        if graph is None:
+            graph = cut(roots)
+            remember(graph)
+        inside = frozenset(graph.nodes)
         live = [st for st in live if st.value[0] in inside]
         if live:
             _execute(values + [st.value for st in live], (), aliasing)
