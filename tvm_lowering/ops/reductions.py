@@ -401,13 +401,17 @@ def _sorted_indices(imp, x, axis, descending):
     return emit(imp, relax.op.argsort(sort_key(imp, x), axis=axis, descending=descending, dtype="int64"))
 
 
+def _sort_args(imp, node):
+    """(x, dim, descending) of sort/argsort: the `.stable` overloads take dim and descending by keyword only."""
+    if node.target.__name__.endswith(".stable"):
+        return env(imp, node.args[0]), node.kwargs.get("dim", -1), node.kwargs.get("descending", False)
+    return env(imp, node.args[0]), arg(node, 1, "dim", -1), arg(node, 2, "descending", False)
+
+
 @rule("sort.default", "sort.stable")
 def sort(imp, node):
     """(values, indices): NaN last ascending and first descending, equal values in their order."""
-    x = env(imp, node.args[0])
-    stable_form = node.target.__name__ == "sort.stable"
-    dim = node.kwargs.get("dim", -1) if stable_form else arg(node, 1, "dim", -1)
-    descending = node.kwargs.get("descending", False) if stable_form else arg(node, 2, "descending", False)
+    x, dim, descending = _sort_args(imp, node)
     if not shape(x):
         return emit(imp, relax.Tuple([x, relax.const(0, "int64")]))
     axis = dim % len(shape(x))
@@ -418,10 +422,7 @@ def sort(imp, node):
 @rule("argsort.default", "argsort.stable")
 def argsort(imp, node):
     """The indices of sort (a jit.script trace records argsort whole)."""
-    x = env(imp, node.args[0])
-    stable_form = node.target.__name__ == "argsort.stable"
-    dim = node.kwargs.get("dim", -1) if stable_form else arg(node, 1, "dim", -1)
-    descending = node.kwargs.get("descending", False) if stable_form else arg(node, 2, "descending", False)
+    x, dim, descending = _sort_args(imp, node)
     if not shape(x):
         return relax.const(0, "int64")
     return _sorted_indices(imp, x, dim % len(shape(x)), bool(descending))
