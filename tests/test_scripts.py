@@ -72,3 +72,19 @@ def test_loader_bench_prints_both_ways():
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [line.split() for line in out.stdout.splitlines() if line.split()[:1] in (["to"], ["loader"])]
     assert [row[0] for row in rows] == ["to", "loader"] and all(float(row[1]) > 0 for row in rows), out.stdout
+
+
+def test_zoo_trains_one_model_like_cpu():
+    """scripts/zoo.py's row for one model and mode: a tiny GPT-2 trained 3 steps on the lazy device
+    against CPU (its --one form, which the table's subprocesses run)."""
+    pytest.importorskip("transformers")
+    out = subprocess.run([sys.executable, os.path.join(SCRIPTS, "zoo.py"), "--one", "gpt2", "lazy"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    import json
+
+    row = json.loads(out.stdout.strip().splitlines()[-1])
+    assert row["status"] == "pass" and row["fallbacks"] == [] and len(row["losses"]) == 3, row
+    bad = subprocess.run([sys.executable, os.path.join(SCRIPTS, "zoo.py"), "--one", "gpt5", "lazy"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "gpt5" in bad.stderr
