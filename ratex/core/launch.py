@@ -211,9 +211,16 @@ class Job:
             self.done.set()
 
     def finished(self) -> bool:
-        """Whether the run is over (a native run that is: collected now)."""
-        if self.ticket is not None and _runner()[1](self.ticket):
-            self.collect()
+        """Whether the run is over (a native run that is: collected now). Never blocks: where
+        another thread is collecting (the Python worker, running a program that reads this run's
+        outputs), it is not over for this caller yet. The ticket is read under the collecting
+        lock: the collector releases it, and the runner forgets a released ticket."""
+        if self.ticket is not None and _collecting.acquire(blocking=False):
+            try:
+                if self.ticket is not None and _runner()[1](self.ticket):
+                    self._collect()
+            finally:
+                _collecting.release()
         return self.done.is_set()
 
     def wait(self):
