@@ -57,6 +57,8 @@ def _in_result_dtype(a, b):
     if not (is_value_arg(a) and is_value_arg(b)):
         return b
     (sa, _, da), (sb, _, db) = arg_sig(a), arg_sig(b)
+    if da == db:
+        return b
     dtype = torch.result_type(torch.empty(sa, dtype=da, device="meta"), torch.empty(sb, dtype=db, device="meta"))
     return b if dtype == db else _call(aten._to_copy.default, b, dtype=dtype)
 
