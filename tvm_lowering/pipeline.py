@@ -19,6 +19,8 @@ def _stages(target: Target, options: Options, donate=(), donated=None, kernel_pa
     stages = target.stages()
     donated = donated if donated is not None else []
     legalize = stages.legalize_passes(target.tvm)
+    if not target.fold_constants:
+        legalize = [p for p in legalize if p.info.name != "FoldConstant"]
     legalize.insert(0, legalize_ops(target.legalize))
     if kernel_pass is not None:
         legalize.append(kernel_pass)
