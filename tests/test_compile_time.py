@@ -312,3 +312,28 @@ def test_cpu_programs_skip_fold_constant_and_gpu_programs_keep_it():
     assert "FoldConstant" not in names and "FuseOps" in names
     gpu = resolve_target("GPU", "sm_90")
     assert "FoldConstant" in {p.info.name for p in pipeline._passes(gpu, gpu.options())}
+
+
+def test_dead_bindings_are_dropped_as_tvm_drops_them():
+    """simplify.drop_dead_bindings gives what TVM's DeadCodeElimination gives: the dataflow
+    bindings that nothing reads (a chain of them too) gone, the rest as they were."""
+    from tvm_lowering.simplify import drop_dead_bindings
+
+    def module():
+        bb = relax.BlockBuilder()
+        x = relax.Var("x", relax.TensorType((4, 8), F32))
+        with bb.function("main", [x]):
+            with bb.dataflow():
+                a = bb.emit(relax.op.exp(x))
+                dead = bb.emit(relax.op.permute_dims(a))
+                bb.emit(relax.op.tanh(dead))  # dead too, once its user is
+                b = bb.emit(relax.op.add(a, x))
+                out = bb.emit_output(relax.op.sum(b, axis=[1]))
+            bb.emit_func_output(out)
+        return bb.get()
+
+    ours = drop_dead_bindings(module())
+    tvm.ir.assert_structural_equal(ours, relax.transform.DeadCodeElimination()(module()))
+    assert len(ours["main"].body.blocks[0].bindings) == 3
+    kept = drop_dead_bindings(ours)
+    assert kept.same_as(ours)  # nothing left to drop: the module itself
