@@ -17,7 +17,11 @@ Python, ratex's programs and the calls around them). Printed per mode, after war
   for the GIL shows up here.
 
 A last table splits the compile mode's wall time per step (median over steps) into the
-programs' own runs (metric ExecuteTime) and the host time around them, against eager's step.
+programs' own runs (metric ExecuteTime) and the host time around them, against eager's step;
+then, from a second pass of the same steps with timers around the graphs' calls (a few µs a
+step of their own), the host time's shares: ratex's calls around its programs, AOTAutograd's
+runtime wrappers with the autograd engine (`loss.backward()`), and the rest (dynamo's frames
+and guards, eager zero_grad and optimizer Python).
 
 bench.py says how fast; this says where the time goes when ratex is the slower one.
 """
@@ -100,6 +104,7 @@ def measure(model_name: str, mode: str, steps: int, warmup: int) -> dict:
             return loss
 
         compiled = torch.compile(train_step, backend="ratex")
+        split, timing = _time_graph_calls()
     clock = time.thread_time
     totals = dict.fromkeys(PHASES, 0.0)
     walls, programs = [], []
@@ -137,13 +142,61 @@ def measure(model_name: str, mode: str, steps: int, warmup: int) -> dict:
     wait()
     wall = time.perf_counter() - start
     after = _switches()
+    host_split = None
+    if mode == "compile":  # the second pass, with the graphs' calls timed
+        e0 = executed()
+        timing[0] = True
+        start2 = time.perf_counter()
+        for i in range(steps):
+            compiled(*batches[i % POOL])
+        total = time.perf_counter() - start2
+        timing[0] = False
+        inner = split["inner"]
+        host_split = {"ratex": inner - (executed() - e0), "aot": split["outer"] + split["backward"] - inner,
+                      "rest": total - split["outer"] - split["backward"]}
+        host_split = {k: v / steps * 1e6 for k, v in host_split.items()}
     switches = {f"{after[t][0]}:{t}": (after[t][1] - before[t][1]) / steps
                 for t in after if t in before and after[t][1] > before[t][1]}
     walls, programs = walls[warmup:], programs[warmup:]
     return {"us": {k: v / steps * 1e6 for k, v in totals.items()}, "wall_ms": wall / steps * 1e3,
             "switches": switches, "step_us": statistics.median(walls) * 1e6,
             "programs_us": statistics.median(programs) * 1e6,
-            "host_us": statistics.median([w - p for w, p in zip(walls, programs)]) * 1e6}
+            "host_us": statistics.median([w - p for w, p in zip(walls, programs)]) * 1e6,
+            "host_split_us": host_split}
+
+
+def _time_graph_calls():
+    """Timers, off until `timing[0]` is set, around what a compiled step calls: ratex's graphs
+    (CompiledGraph: its programs and the calls around them), the callables AOTAutograd makes of
+    dynamo's graphs (wrapping ratex's), and torch.autograd.backward (the engine and AOTAutograd's
+    backward, wrapping ratex's backward graph). Returns (seconds by name, timing)."""
+    import collections  # noqa: PLC0415
+
+    import torch  # noqa: PLC0415
+    from ratex.dynamo import aot, program  # noqa: PLC0415
+
+    split, timing = collections.defaultdict(float), [False]
+
+    def timed(name, fn):
+        def call(*args, **kwargs):
+            if not timing[0]:
+                return fn(*args, **kwargs)
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                split[name] += time.perf_counter() - t
+        # dynamo would otherwise compile the timer's frame where the step calls it (backward()
+        # between two graphs) and guard it on `timing`: a recompile, then frames to check
+        torch._dynamo.eval_frame.skip_code(call.__code__)
+        return call
+
+    graph_call = program.CompiledGraph.__call__
+    program.CompiledGraph.__call__ = lambda self, args: timed("inner", graph_call)(self, args)
+    capture = aot.capture
+    aot.capture = lambda *a, **k: timed("outer", capture(*a, **k))
+    torch.autograd.backward = timed("backward", torch.autograd.backward)
+    return split, timing
 
 
 def main(argv=None):
@@ -192,6 +245,10 @@ def main(argv=None):
         share = f" = {r['host_us'] / eager['step_us']:.0%} of eager's step ({eager['step_us']:.0f} µs)" if eager else ""
         print(f"\ncompile: median step {r['step_us']:.0f} µs = programs {r['programs_us']:.0f} (ExecuteTime) "
               f"+ host {r['host_us']:.0f}{share}")
+        h = r["host_split_us"]
+        print(f"  its host time, timed apart (mean µs a step): ratex's calls around its programs {h['ratex']:.0f}, "
+              f"AOTAutograd's wrappers and the autograd engine {h['aot']:.0f}, dynamo's frames and eager "
+              f"Python (zero_grad, optimizer) {h['rest']:.0f}")
 
 
 if __name__ == "__main__":

@@ -259,3 +259,81 @@ def test_metrics_keep_the_seconds_aotautograd_takes(dev):
     got = torch.compile(f, backend="ratex")(x)
     torch.testing.assert_close(got, f(x))
     assert metrics.metric_data("CaptureTime")[0] == 1
+
+
+def _fills():
+    """main(x) = the fills legalize.py makes constants, and two it leaves to run time, each added
+    to x's first element so that none is dead."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((2, 3), F32))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            fills = [
+                relax.op.broadcast_to(relax.const(float("-inf"), F32), (2, 3)),
+                relax.op.broadcast_to(relax.const([1.5, -2.0, 0.25], F32), (4, 3)),
+                relax.op.ones(relax.ShapeExpr(()), F32),
+                relax.op.zeros(relax.ShapeExpr((5,)), "int64"),
+                relax.op.ones_like(x),
+                relax.op.full((3, 2), relax.const(7, "int32"), "int32"),
+                relax.op.full_like(x, relax.const(2.5, F32)),
+                relax.op.zeros(relax.ShapeExpr((2, 2)), "bool"),
+                relax.op.broadcast_to(relax.const(0.5, "float16"), (2, 2)),
+                relax.op.broadcast_to(relax.const(3.0, F32), ()),
+                # at run time: a zeros of more than FoldConstant's 1024 elements, a fill of x
+                relax.op.zeros(relax.ShapeExpr((33, 32)), F32),
+                relax.op.broadcast_to(relax.op.strided_slice(x, [0, 1], [0, 0], [1, 1]), (2, 3)),
+            ]
+            out = bb.emit_output(relax.Tuple([bb.emit(f) for f in fills]))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def test_constant_fills_become_constants_without_a_kernel_and_keep_their_values():
+    with CPU.tvm:
+        lowered = legalize.legalize_ops({})(_fills())
+    kernels = [b.value for b in lowered["main"].body.blocks[0].bindings
+               if isinstance(b.value, relax.Call) and b.value.op.same_as(legalize._CALL_TIR)]
+    assert len(kernels) == 3, lowered["main"]  # the large zeros; the slice of x and its fill
+    x = torch.randn(2, 3)
+    got = _run(build(_fills(), CPU), x)
+    inf = float("-inf")
+    expected = [torch.full((2, 3), inf), torch.tensor([1.5, -2.0, 0.25]).expand(4, 3), torch.ones(()),
+                torch.zeros(5, dtype=torch.int64), torch.ones(2, 3), torch.full((3, 2), 7, dtype=torch.int32),
+                torch.full((2, 3), 2.5), torch.zeros(2, 2, dtype=torch.bool),
+                torch.full((2, 2), 0.5, dtype=torch.float16), torch.tensor(3.0), torch.zeros(33, 32), x[0, 0].expand(2, 3)]
+    assert len(got) == len(expected)
+    for g, e in zip(got, expected):
+        assert g.dtype == e.dtype and g.shape == e.shape
+        torch.testing.assert_close(g, e, rtol=0, atol=0)
+
+
+def test_cpu_programs_skip_fold_constant_and_gpu_programs_keep_it():
+    names = {p.info.name for p in pipeline._passes(CPU, CPU.options())}
+    assert "FoldConstant" not in names and "FuseOps" in names
+    gpu = resolve_target("GPU", "sm_90")
+    assert "FoldConstant" in {p.info.name for p in pipeline._passes(gpu, gpu.options())}
+
+
+def test_dead_bindings_are_dropped_as_tvm_drops_them():
+    """simplify.drop_dead_bindings gives what TVM's DeadCodeElimination gives: the dataflow
+    bindings that nothing reads (a chain of them too) gone, the rest as they were."""
+    from tvm_lowering.simplify import drop_dead_bindings
+
+    def module():
+        bb = relax.BlockBuilder()
+        x = relax.Var("x", relax.TensorType((4, 8), F32))
+        with bb.function("main", [x]):
+            with bb.dataflow():
+                a = bb.emit(relax.op.exp(x))
+                dead = bb.emit(relax.op.permute_dims(a))
+                bb.emit(relax.op.tanh(dead))  # dead too, once its user is
+                b = bb.emit(relax.op.add(a, x))
+                out = bb.emit_output(relax.op.sum(b, axis=[1]))
+            bb.emit_func_output(out)
+        return bb.get()
+
+    ours = drop_dead_bindings(module())
+    tvm.ir.assert_structural_equal(ours, relax.transform.DeadCodeElimination()(module()))
+    assert len(ours["main"].body.blocks[0].bindings) == 3
+    kept = drop_dead_bindings(ours)
+    assert kept.same_as(ours)  # nothing left to drop: the module itself

@@ -110,3 +110,34 @@ def test_bfloat16_sort_and_topk_sort():
     check(lambda t: (torch.sort(t, -1), torch.sort(t, dim=0, descending=True, stable=True), torch.topk(t, 5),
                      torch.topk(t, 3, dim=0, largest=False), torch.msort(t)),
           x, ops=["sort.default", "sort.stable", "topk.default"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_histc_counts_as_cpu_at_the_edges_outside_and_at_nan(dtype):
+    """The bin of an element next to an edge is the truncated (x - min) * bins / (max - min) of
+    PyTorch's kernel (in float32, x * (bins / (max - min)) puts some of these in another bin):
+    the 64 values either side of every edge, the ends, outside, inf and NaN."""
+    edges = torch.linspace(-2.5, 3.7, 8, dtype=dtype)
+    near, up, down = [edges], edges, edges
+    for _ in range(64):
+        up, down = torch.nextafter(up, edges + 1), torch.nextafter(down, edges - 1)
+        near += [up, down]
+    x = torch.cat([torch.randn(487, dtype=dtype) * 3, *near, torch.tensor([NAN, INF, NEG_INF, -2.5, 3.7], dtype=dtype)])
+    check(lambda t: (torch.histc(t, bins=7, min=-2.5, max=3.7), torch.histc(t.view(12, -1)[:, :50], 13, 0.1, 0.2),
+                     torch.histc(t[:0], 3, 0, 1)), x, ops=["histc.default"], rtol=0, atol=0)
+
+
+def test_histc_of_integers_counts_as_pytorchs_cuda_kernel():
+    """An integer histc (transformers' Mixtral counts its experts so, off the CPU), whose CPU
+    kernel PyTorch lacks: counted as the float kernel counts the same integers."""
+    import ratex  # noqa: F401
+    from ratex.lazy_tensor_core.debug import metrics
+
+    experts = torch.randint(0, 8, (64,), dtype=torch.int32)
+    metrics.reset()
+    got = torch.histc(experts.to("lazy"), bins=8, min=0, max=8).cpu()
+    assert got.dtype == torch.int32 and metrics.counter_value("ratex::histc.default") == 1
+    assert torch.equal(got, torch.histc(experts.double(), bins=8, min=0, max=8).to(torch.int32))
+    wide = torch.arange(-3, 40, dtype=torch.int64)  # bins of 43 / 7: truncation, the ends, outside
+    got = torch.histc(wide.to("lazy"), bins=7, min=-1, max=33).cpu()
+    assert torch.equal(got, torch.histc(wide.double(), bins=7, min=-1, max=33).to(torch.int64))

@@ -6,6 +6,7 @@ cell runner with the arguments it takes.
 """
 import argparse
 import os
+import re
 import subprocess
 import sys
 
@@ -44,6 +45,8 @@ def test_step_phases_prints_each_modes_phases():
         assert len(row) >= 10 and all(float(v) >= 0 for v in row[1:10]) and float(row[8]) > 0, out.stdout
     split = [line for line in out.stdout.splitlines() if line.startswith("compile: median step")]
     assert len(split) == 1 and "programs" in split[0] and "of eager's step" in split[0], out.stdout
+    host = [line for line in out.stdout.splitlines() if "its host time, timed apart" in line]
+    assert len(host) == 1 and len(re.findall(r" \d+(?:,|$)", host[0])) == 3, out.stdout
     bad = subprocess.run([sys.executable, os.path.join(SCRIPTS, "step_phases.py"), "lenet-b1", "--modes", "jit"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "unknown mode(s) jit" in bad.stderr

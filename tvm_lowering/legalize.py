@@ -11,16 +11,26 @@ of a PrimFunc on the call's own operands in order, is reused; anything else (a c
 kernel taking shape variables, operands dropped or reordered) is legalized anew every time.
 The PrimFuncs built are remembered for the modules compiled later in the process too (a
 training step's ops are mostly those of the step before it, or of the forward before that).
+
+Fills of constants (`zeros`, `ones`, their `_like` forms, `full` and `full_like` of a constant
+value, `broadcast_to` of a constant; static shapes) become constants here, computed by numpy.
+TVM's FoldConstant, where the target runs it (targets.py: GPU), would fold the same calls by
+compiling each one's kernel with LLVM and running it, 60 ms or more a kernel. Only what
+FoldConstant folds is folded: a fill of a constant value, and a `zeros` or `ones` (`_like`) of
+at most its 1024 elements (larger ones stay fills at run time rather than constants in the
+program).
 """
 import collections
 import functools
 import threading
 
+import numpy as np
 import tvm
 import tvm_ffi
 from tvm import relax
 
 _CALL_TIR = tvm.ir.Op.get("relax.call_tir")
+_FOLD_LIMIT = 1024  # FoldConstant's: larger creations from no tensor input stay runtime fills
 
 
 def _static(ty) -> bool:
@@ -93,6 +103,51 @@ class _Memo:
         return out
 
 
+def _static_shape(ty):
+    """The shape of `ty` as a tuple of ints where `ty` is a static tensor type whose dtype numpy
+    has, else None."""
+    if not _static(ty) or str(ty.dtype) not in _NUMPY:
+        return None
+    return tuple(int(v) for v in ty.shape.values)
+
+
+_NUMPY = {"float64", "float32", "float16", "int64", "int32", "int16", "int8", "uint8", "bool"}
+
+
+class _Fill:
+    """A creation op's legalization that returns a constant, computed by numpy, where the call
+    fills a static shape with a constant (see the module doc); else `legalize`'s."""
+
+    def __init__(self, op: str, legalize):
+        self.op, self.legalize = op, legalize
+
+    def __call__(self, bb, call):
+        value = self._value(call)
+        return self.legalize(bb, call) if value is None else value
+
+    def _value(self, call):
+        shape = _static_shape(call.ty)
+        if shape is None:
+            return None
+        dtype = str(call.ty.dtype)
+        if self.op in _BY_SHAPE:
+            if int(np.prod(shape)) > _FOLD_LIMIT:
+                return None
+            return relax.const(np.full(shape, _BY_SHAPE[self.op], dtype=dtype), dtype)
+        # full(shape, fill), full_like(x, fill), broadcast_to(x, shape): a constant operand
+        source = call.args[0] if self.op == "relax.broadcast_to" else call.args[1]
+        if not isinstance(source, tvm.ir.expr.Constant) or _static_shape(source.ty) is None:
+            return None
+        data = source.value.numpy().astype(dtype)
+        if self.op != "relax.broadcast_to" and data.ndim:
+            return None
+        return relax.const(np.broadcast_to(data, shape).copy(), dtype)  # (ascontiguousarray makes a 0-d array 1-d)
+
+
+_BY_SHAPE = {"relax.zeros": 0, "relax.ones": 1, "relax.zeros_like": 0, "relax.ones_like": 1}
+_FILLS = (*_BY_SHAPE, "relax.full", "relax.full_like", "relax.broadcast_to")
+
+
 def _call(gvar, args, ty):
     return relax.Call(_CALL_TIR, [gvar, relax.Tuple(args)], None, [ty])
 
@@ -129,4 +184,7 @@ def legalize_ops(custom) -> tvm.transform.Pass:
     remembers belong to the module it runs on."""
     table = {name: _Memo(fn) for name, fn in _registered()}
     table.update({name: _Memo(fn) for name, fn in dict(custom).items()})
+    for name in _FILLS:
+        if name in table:
+            table[name] = _Fill(name, table[name])
     return relax.transform.LegalizeOps(table)

@@ -7,7 +7,7 @@ from tvm import relax
 from . import codegen, cuda_graph, inplace, once
 from .legalize import legalize_ops
 from .library_dispatch import library_dispatch_pass
-from .simplify import expand_attention, fold_transposes
+from .simplify import drop_dead_bindings, expand_attention, fold_transposes
 from .targets import Options, Target, resolve_target  # noqa: F401  (resolve_target: imported from here too)
 
 
@@ -19,6 +19,8 @@ def _stages(target: Target, options: Options, donate=(), donated=None, kernel_pa
     stages = target.stages()
     donated = donated if donated is not None else []
     legalize = stages.legalize_passes(target.tvm)
+    if not target.fold_constants:
+        legalize = [p for p in legalize if p.info.name != "FoldConstant"]
     legalize.insert(0, legalize_ops(target.legalize))
     if kernel_pass is not None:
         legalize.append(kernel_pass)
@@ -50,7 +52,7 @@ def _passes(target: Target, options: Options, donate=(), donated=None, kernel_pa
     cleanup = [expand_attention, relax.transform.EliminateCommonSubexpr(), fold_transposes]
     if options.library:
         cleanup.append(library_dispatch_pass(options.library_min_macs))
-    cleanup.append(relax.transform.DeadCodeElimination())
+    cleanup.append(drop_dead_bindings)
     return cleanup + _stages(target, options, donate, donated, kernel_pass)
 
 

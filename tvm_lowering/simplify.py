@@ -13,6 +13,10 @@ than the same matmuls and softmax in PyTorch's kernels. As
 matmuls they go to the kernel library (or get TVM's matmul schedule), and the
 softmax the forward computes is the one the gradient recomputes (the two are
 built alike, see autodiff.attention_probs), so CSE keeps one.
+
+`drop_dead_bindings`: the dataflow bindings nothing reads, dropped in one backward walk over
+each function. TVM's DeadCodeElimination grows faster than the size of the function: 6 ms for
+a GPT-2 step's 1,200 bindings, 0.4 s for an unrolled LSTM step's 5,800.
 """
 import tvm
 from tvm import relax
@@ -74,3 +78,43 @@ class _ExpandAttention(relax.PyExprMutator):
 def expand_attention(mod, _ctx):
     """relax.nn.attention without bias or window as matmul, softmax, matmul."""
     return rewrite_functions(_ExpandAttention(mod), mod)
+
+
+def _drop_dead(func):
+    """`func` without the dataflow bindings that nothing reads (a binding outside a dataflow
+    block may have effects: all stay), or None where it has none."""
+    body = func.body
+    if not isinstance(body, relax.SeqExpr):
+        return None
+    used = set(relax.analysis.free_vars(body.body))
+    blocks, dropped = [], False
+    for block in reversed(body.blocks):
+        dataflow = isinstance(block, relax.DataflowBlock)
+        kept = []
+        for binding in reversed(block.bindings):
+            if dataflow and binding.var not in used:
+                dropped = True
+                continue
+            kept.append(binding)
+            used.update(relax.analysis.free_vars(binding.value))
+        kept.reverse()
+        blocks.append(relax.DataflowBlock(kept) if dataflow else relax.BindingBlock(kept))
+    if not dropped:
+        return None
+    blocks.reverse()
+    seq = relax.BlockBuilder().normalize(relax.SeqExpr(blocks, body.body))  # gives it its type
+    return relax.Function(func.params, seq, func.ret_ty, func.is_pure, func.attrs, func.span)
+
+
+@tvm.transform.module_pass(opt_level=0, name="RatexDropDeadBindings")
+def drop_dead_bindings(mod, _ctx):
+    """Drop the dataflow bindings nothing reads (see the module doc); functions nothing calls stay
+    (TVM's DeadCodeElimination, run by FuseTIR, removes those later)."""
+    changed = {gv: new for gv, func in mod.functions_items() if isinstance(func, relax.Function)
+               for new in [_drop_dead(func)] if new is not None}
+    if not changed:
+        return mod
+    bb = relax.BlockBuilder(mod)
+    for gv, func in changed.items():
+        bb.update_func(gv, func)
+    return bb.get()

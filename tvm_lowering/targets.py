@@ -47,6 +47,7 @@ class Target:
     host_kernels: bool = False  # built for the host: rules may emit TIR loops run there (Importer.host_kernels)
     auto_min_macs: int = 0  # under kernels=auto, float products smaller than this stay TVM code
     cuda_graphs: bool = False  # its programs can replay CUDA graphs (Options.cuda_graph)
+    fold_constants: bool = True  # TVM's FoldConstant runs (legalize.py folds constant fills either way)
 
     @property
     def key(self) -> str:
@@ -128,6 +129,11 @@ def _cpu(arch: Optional[str]) -> Target:
         # PyTorch's CPU convolution has a fixed cost per call that small ones don't amortize:
         # they run faster as TVM code (library_dispatch.AUTO_MIN_MACS).
         auto_min_macs=AUTO_MIN_MACS,
+        # FoldConstant compiles each kernel it folds with LLVM (60 ms or more apiece: half a
+        # second for an LSTM step, whose zero initial states feed slices and casts); on the host
+        # those few small kernels cost microseconds a step, or nothing fused into their users.
+        # GPU programs keep it: a kernel of constants alone would need a schedule there.
+        fold_constants=False,
     )
 
 

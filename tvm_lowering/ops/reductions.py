@@ -480,3 +480,40 @@ def median(imp, node):
     if not keepdim:
         value, index = (emit(imp, relax.op.squeeze(t, axis=[axis])) for t in (value, index))
     return emit(imp, relax.Tuple([value, index]))
+
+
+@rule("histc.default")
+def histc(imp, node):
+    """Counts of the elements in `bins` equal bins over [min, max], in the input's dtype;
+    elements outside (and NaN) are not counted, one equal to max is in the last bin. The bin is
+    (x - min) * bins / (max - min) truncated, as PyTorch's kernels compute it: floating point
+    in the input's dtype (its CPU kernel), integers in int64 (its CUDA kernel: the CPU one takes
+    none). min == max (the data's own range) is not lowered."""
+    x = env(imp, node.args[0])
+    bins = int(arg(node, 1, "bins", 100))
+    lo, hi = arg(node, 2, "min", 0), arg(node, 3, "max", 0)
+    dt = dtype(x)
+    if lo == hi:
+        raise NotImplementedError("histc over the data's own range (min == max): it depends on the values")
+    if bins <= 0 or hi < lo:
+        raise NotImplementedError(f"histc with bins={bins}, min={lo}, max={hi} (PyTorch raises)")
+    if is_float(dt) and dt not in ("float32", "float64"):
+        raise NotImplementedError(f"histc of {dt} (PyTorch's CPU kernel has none to match)")
+    flat = emit(imp, relax.op.reshape(x, [-1]))
+    wide = flat if is_float(dt) else emit(imp, relax.op.astype(flat, "int64"))
+    at = dt if is_float(dt) else "int64"
+    lo_c, hi_c = relax.const(lo if is_float(dt) else int(lo), at), relax.const(hi if is_float(dt) else int(hi), at)
+    inside = emit(imp, relax.op.logical_and(relax.op.greater_equal(wide, lo_c), relax.op.less_equal(wide, hi_c)))
+    scaled = relax.op.multiply(relax.op.subtract(wide, lo_c), relax.const(bins, at))
+    if is_float(dt):
+        pos = relax.op.astype(relax.op.where(inside, relax.op.divide(scaled, relax.op.subtract(hi_c, lo_c)),
+                                             relax.const(0, dt)), "int64")
+    else:  # x - min >= 0 where it counts: floor division is the truncating one
+        pos = relax.op.floor_divide(scaled, relax.op.subtract(hi_c, lo_c))
+    pos = emit(imp, pos)
+    pos = emit(imp, relax.op.minimum(pos, relax.const(bins - 1, "int64")))  # max itself: the last bin
+    hits = emit(imp, relax.op.logical_and(
+        relax.op.equal(relax.op.expand_dims(pos, 1), relax.const(np.arange(bins, dtype="int64")[None, :])),
+        relax.op.expand_dims(inside, 1)))
+    counts = emit(imp, relax.op.sum(relax.op.astype(hits, "int64"), axis=[0]))
+    return emit(imp, relax.op.astype(counts, dt))
