@@ -90,6 +90,14 @@ class _JoinSums(relax.PyExprMutator):
         self.bound = None  # the var of the binding being visited
         self.concats = {}  # (vars, axis) -> the var of their concatenation, shared by the rewrites
 
+    def visit_dataflow_block_(self, block):
+        self.concats = {}  # a dataflow block's vars are not visible in the next block
+        return super().visit_dataflow_block_(block)
+
+    def visit_binding_block_(self, block):
+        self.concats = {}
+        return super().visit_binding_block_(block)
+
     def visit_var_binding_(self, binding):
         self.bound = binding.var
         super().visit_var_binding_(binding)
