@@ -1,6 +1,6 @@
 """Kernel by kernel: what one training step's compiled program runs, against eager PyTorch's ops.
 
-    python scripts/kernel_profile.py mlp-b128 [--modes eager,lazy,script] [--repeats 10] [--top 15]
+    python scripts/kernel_profile.py mlp-b128 [--modes eager,lazy,script,compile] [--repeats 10] [--top 15]
 
 Each mode trains one bench model (scripts/bench_models.py) in a fresh process, one torch/TVM
 thread, ENABLE_PARAM_ALIASING=true and no disk cache, as scripts/bench.py does, for --warmup
@@ -10,6 +10,8 @@ steps. Then:
   last step's inputs in a Relax VM with an instrument that times every call it makes: each
   TVM kernel, each `ratex.lib.*` library call (PyTorch's kernels: the generic `aten_out` call
   is named by the ATen op it runs) and the VM's builtins (allocation, tuple access).
+- compile: torch.compile(step, backend="ratex"); each program the step runs (forward, backward,
+  optimizer step) runs --repeats more times on its last inputs, timed as above and summed.
 
 Printed per mode: ms per step of the program run whole (lazy, script: without the instrument;
 eager: a step without the profiler), wall and CPU time, the sum of the timed calls split into GEMM
@@ -30,7 +32,7 @@ import subprocess
 import sys
 import time
 
-MODES = ("eager", "lazy", "script")
+MODES = ("eager", "lazy", "script", "compile")
 # PyTorch's GEMM and convolution kernels: eager's ATen ops, ratex's library calls of them.
 GEMM = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::mkldnn_convolution",
         "aten::convolution_backward", "ratex.lib.mm_out", "ratex.lib.addmm_out", "ratex.lib.bmm_out",
@@ -49,7 +51,7 @@ def _setup(model_name, mode, warmup):
     torch.manual_seed(0)
     batches = spec.batches(1)
     model = spec.build()
-    if mode == "eager":
+    if mode in ("eager", "compile"):
         dev, mark, wait = torch.device("cpu"), (lambda: None), (lambda: None)
     else:
         import ratex
@@ -72,6 +74,10 @@ def _setup(model_name, mode, warmup):
         mark()
         return loss
 
+    if mode == "compile":
+        import ratex  # noqa: F401  (registers the "ratex" backend)
+
+        step = torch.compile(step, backend="ratex")
     for i in range(warmup):
         loss = step(i)
     wait()
@@ -99,8 +105,33 @@ def profile_eager(model_name, warmup, repeats):
     return {"whole_ms": statistics.median(walls) * 1e3, "whole_cpu_ms": statistics.median(cpus) * 1e3, "calls": calls}
 
 
-def profile_ratex(model_name, mode, warmup, repeats):
-    """{name: ms per step} of each call the step's program makes, and the program's ms run whole."""
+def _programs(model_name, mode, warmup):
+    """[(executable, device, inputs)] of the programs one training step runs, on their last inputs."""
+    if mode == "compile":
+        import tvm
+        from ratex.dynamo import program
+
+        libs, seen = [], {}
+        find, make, run = program.CompiledGraph._program, program.CompiledGraph._region, program.Region.run
+
+        def finding(self, *args, **kwargs):
+            libs.append(find(self, *args, **kwargs))
+            return libs[-1]
+
+        def making(self, *args, **kwargs):
+            region = make(self, *args, **kwargs)
+            region.profiled_lib = libs[-1]
+            return region
+
+        def recording(self, xs):
+            seen[id(self)] = (self.profiled_lib, list(xs))
+            return self._call(xs)
+
+        program.CompiledGraph._program, program.CompiledGraph._region = finding, making
+        program.Region.run = recording
+        _setup(model_name, mode, warmup)
+        program.CompiledGraph._program, program.CompiledGraph._region, program.Region.run = find, make, run
+        return [(lib, tvm.cpu(), xs) for lib, xs in seen.values()]
     from ratex.core import executor
 
     seen = {}
@@ -111,20 +142,26 @@ def profile_ratex(model_name, mode, warmup, repeats):
         return run(self, inputs)
 
     executor.Program.run = recording
-    step, wait, _ = _setup(model_name, mode, warmup)
+    _, wait, _ = _setup(model_name, mode, warmup)
     wait()
     executor.Program.run = run
     if not seen:
         raise RuntimeError("no program ran: is RATEX_NATIVE_RUNNER off in this process?")
     program, inputs = max(seen.values(), key=lambda pi: len(pi[1]))
+    return [(program.executable, program.device, inputs)]
+
+
+def profile_ratex(model_name, mode, warmup, repeats):
+    """{name: ms per step} of each call the step's programs make, and the programs' ms run whole."""
     from tvm import relax
 
-    vm = relax.VirtualMachine(program.executable, program.device)
-    fn = vm["main"]
+    progs = _programs(model_name, mode, warmup)
+    fns = [(relax.VirtualMachine(lib, dev), xs) for lib, dev, xs in progs]
     walls, cpus = [], []
     for _ in range(repeats):
         t0, c0 = time.perf_counter(), time.thread_time()
-        fn(*inputs)
+        for vm, xs in fns:
+            vm["main"](*xs)
         walls.append(time.perf_counter() - t0)
         cpus.append(time.thread_time() - c0)
     times = collections.defaultdict(list)  # name -> seconds of each call, all runs together
@@ -142,10 +179,11 @@ def profile_ratex(model_name, mode, warmup, repeats):
         times[name].append(elapsed)
         return 0
 
-    vm.set_instrument(instrument)
-    fn = vm["main"]
+    for vm, _ in fns:
+        vm.set_instrument(instrument)
     for _ in range(repeats):
-        fn(*inputs)
+        for vm, xs in fns:
+            vm["main"](*xs)
     calls = {name: (sum(ts) * 1e3 / repeats, len(ts) / repeats) for name, ts in times.items()}
     return {"whole_ms": statistics.median(walls) * 1e3, "whole_cpu_ms": statistics.median(cpus) * 1e3, "calls": calls}
 

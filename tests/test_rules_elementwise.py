@@ -16,16 +16,21 @@ pytestmark = pytest.mark.usefixtures("seeded")
 
 
 @pytest.mark.usefixtures("tvm_kernels")
-def test_exp_and_sigmoid_keep_libm_results_at_the_edges():
-    # CPU kernels compute float32 exp with a polynomial (tvm_lowering/fastmath.py): check its
-    # accuracy over float32's range and its inf / 0 / NaN behaviour.
+def test_exp_sigmoid_and_tanh_keep_libm_results_at_the_edges():
+    # CPU kernels compute float32 exp and tanh with polynomials (tvm_lowering/fastmath.py): check
+    # their accuracy over float32's range, tanh's switch of formula at |x| = 0.625 and the
+    # inf / 0 / NaN behaviour, in a kernel large enough to run in parallel and in a small one
+    # (both vectorized).
     x = torch.cat([
         torch.linspace(-90, 90, 4001),
-        torch.tensor([0.0, -0.0, 1e-8, -1e-8, 88.7, 88.8, -87.3, -87.4, -200.0, 200.0]),
+        torch.linspace(-0.7, 0.7, 1401),
+        torch.tensor([0.0, -0.0, 1e-8, -1e-8, 1e-30, 0.625, -0.625, 88.7, 88.8, -87.3, -87.4, -200.0, 200.0]),
         torch.tensor([float("inf"), float("-inf"), float("nan")]),
     ])
-    check(lambda x: (torch.exp(x), torch.sigmoid(x), x.exp().sum()), x, ops=["exp.default", "sigmoid.default"],
-          rtol=3e-6, atol=1e-37)
+    fn = lambda x: (torch.exp(x), torch.sigmoid(x), torch.tanh(x), x.exp().sum())  # noqa: E731
+    ops = ["exp.default", "sigmoid.default", "tanh.default"]
+    check(fn, x, ops=ops, rtol=3e-6, atol=1e-37)
+    check(fn, x[-64:], ops=ops, rtol=3e-6, atol=1e-37)
 
 
 def test_integer_scalars_and_bounds():

@@ -8,6 +8,7 @@ from . import codegen, cuda_graph, inplace, once
 from .legalize import legalize_ops
 from .library_dispatch import library_dispatch_pass
 from .simplify import drop_dead_bindings, expand_attention, fold_transposes
+from .sums import join_sums
 from .targets import Options, Target, resolve_target  # noqa: F401  (resolve_target: imported from here too)
 
 
@@ -47,9 +48,10 @@ def _stages(target: Target, options: Options, donate=(), donated=None, kernel_pa
 def _passes(target: Target, options: Options, donate=(), donated=None, kernel_pass=None) -> list:
     # CSE removes the forward that a script's backward recomputes (attention's too, once it is
     # expanded); DCE what nothing reads. fold_transposes composes the t(t(x)) chains autograd
-    # leaves (simplify.py). The library dispatch folds transposes into matmul calls: DCE drops
-    # the transposes after it.
-    cleanup = [expand_attention, relax.transform.EliminateCommonSubexpr(), fold_transposes]
+    # leaves (simplify.py). join_sums makes a gradient's sum of small products over an RNN's
+    # steps one product (sums.py). The library dispatch folds transposes into matmul calls: DCE
+    # drops the transposes after it.
+    cleanup = [expand_attention, relax.transform.EliminateCommonSubexpr(), fold_transposes, join_sums]
     if options.library:
         cleanup.append(library_dispatch_pass(options.library_min_macs))
     cleanup.append(drop_dead_bindings)

@@ -73,7 +73,10 @@ def _vectorize_block(sch, block_rv):
     extents = [get_extent(sch, loop) for loop in loops]
     if not loops or any(not isinstance(e, int) or e <= 0 for e in extents):
         return  # empty or symbolic: nothing worth scheduling
-    if math.prod(extents) >= _MIN_PARALLEL:  # small kernels stay as they are (and their libm calls scalar)
+    # A small kernel is vectorized only where every intrinsic it calls has a vector form: TVM has
+    # none for some (cosh, sinh), and a short row would then fail to compile. Large kernels are
+    # vectorized regardless.
+    if math.prod(extents) >= _MIN_PARALLEL or _vector_safe(sch.get(block_rv).body):
         # TVM's bfloat16 legalization fails on a vectorized store of a broadcast value (a zero fill,
         # an expand of one element: "buffer's dtype is uint16 ... RHS's dtype is bfloat16x16"):
         # a bfloat16 block runs its outer loops in parallel and leaves the innermost to LLVM.
@@ -83,6 +86,35 @@ def _vectorize_block(sch, block_rv):
             _tile_transpose(sch, loops, extents, across)
         else:
             _vectorize_innermost(sch, loops, extents, vector)
+
+
+# Intrinsics that LLVM vectorizes inline (fastmath's exp and sigmoid call only these).
+_VECTOR_INTRINSICS = {f"tirx.{name}" for name in (
+    "floor", "ceil", "round", "nearbyint", "trunc", "fabs", "sqrt", "reinterpret", "shift_left", "shift_right",
+    "isnan", "isinf", "isfinite", "bitwise_and", "bitwise_or", "bitwise_xor", "bitwise_not", "if_then_else",
+    "likely", "copysign")}
+
+
+def _vector_safe(node) -> bool:
+    """Whether a block body (a store of arithmetic, selects and casts of loads) calls no
+    intrinsic outside _VECTOR_INTRINSICS; anything else it holds (a let, a loop) counts as unsafe."""
+    if isinstance(node, tirx.BufferStore):
+        return _vector_safe(node.value) and all(_vector_safe(i) for i in node.indices)
+    if isinstance(node, _LOAD):
+        return all(_vector_safe(i) for i in node.indices)
+    if isinstance(node, (tirx.IntImm, tirx.FloatImm, tirx.Var)):
+        return True
+    if isinstance(node, tvm.ir.Call):
+        return (isinstance(node.op, tvm.ir.Op) and node.op.name in _VECTOR_INTRINSICS
+                and all(_vector_safe(a) for a in node.args))
+    if isinstance(node, tirx.Select):
+        return all(_vector_safe(x) for x in (node.condition, node.true_value, node.false_value))
+    if isinstance(node, tirx.Cast):
+        return _vector_safe(node.value)
+    if isinstance(node, tirx.Not):
+        return _vector_safe(node.a)
+    children = [getattr(node, name, None) for name in ("a", "b")]
+    return all(isinstance(c, tvm.ir.Expr) for c in children) and all(_vector_safe(c) for c in children)
 
 
 # A read whose address moves this many elements or more per step of the innermost loop reads
