@@ -259,3 +259,13 @@ def test_division_with_rounding_rounds_like_pytorch(dtype):
     check(lambda x, y: (torch.div(x, y, rounding_mode="trunc"), torch.div(x, y, rounding_mode="floor"),
                         torch.floor_divide(x, y)),
           a, b, ops=["div.Tensor_mode", "floor_divide.default"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_small_integer_powers_are_pytorchs_products_bit_for_bit(dtype):
+    """x^2, x^3, x^-1, x^-2 as PyTorch's kernels compute them (products, a quotient), with
+    infinities, signed zeros, NaN, tiny and huge values; another exponent keeps pow."""
+    x = torch.cat([torch.randn(3000, dtype=dtype) * 10,
+                   torch.tensor([0.0, -0.0, INF, -INF, NAN, 1e-30, -1e-30, 1e30, -1e20, 3.0], dtype=dtype)])
+    check(lambda t: tuple(torch.pow(t, e) for e in (2, 3, 3.0, -1, -2.0)), x, ops=["pow.Tensor_Scalar"], rtol=0, atol=0)
+    check(lambda t: (torch.pow(t, 2.5), t.pow(3).sum()), x.abs(), ops=["pow.Tensor_Scalar"])  # libm's pow; a sum

@@ -303,6 +303,9 @@ def to(imp, node):
 @rule("pow.Tensor_Scalar", "pow.Tensor_Tensor")
 def power(imp, node):
     shp, dt = out_meta(node)
+    if dt in ("float32", "float64") and node.target.__name__ == "pow.Tensor_Scalar" \
+            and isinstance(node.args[1], (int, float)) and float(node.args[1]) in _PRODUCTS:
+        return _as_products(imp, env(imp, node.args[0]), float(node.args[1]), shp, dt)
     if dt not in _HALF:
         return imp.tvm_rules[node.target.__name__](node)
     if imp.differentiable:  # Relax's power, which has a gradient, in float32
@@ -323,6 +326,21 @@ def power(imp, node):
     fn = special.get(e)  # float16's single rounding gives the same: these products of float16 are exact in float32
     x = x if shape(x) == shp else emit(imp, relax.op.broadcast_to(x, shp))
     return _half_kernel(imp, dt, shp, fn or (lambda v: tirx.pow(v, tirx.const(e, "float32"))), x)
+
+
+# x^e for these exponents is what PyTorch's CPU and CUDA kernels compute (products and a
+# quotient: pow_tensor_scalar_optimized_kernel), not pow(): bit for bit, and vectorized where
+# TVM's power is a scalar libm call per element (GPT-2's gelu_new: x^3, 0.35 ms a call).
+_PRODUCTS = {2.0: lambda x: relax.op.multiply(x, x),
+             3.0: lambda x: relax.op.multiply(relax.op.multiply(x, x), x),
+             -1.0: lambda x: relax.op.divide(relax.const(1.0, dtype(x)), x),
+             -2.0: lambda x: relax.op.divide(relax.const(1.0, dtype(x)), relax.op.multiply(x, x))}
+
+
+def _as_products(imp, x, e, shp, dt):
+    x = to_dtype(imp, x, dt)
+    x = x if shape(x) == shp else emit(imp, relax.op.broadcast_to(x, shp))
+    return emit(imp, _PRODUCTS[e](x))
 
 
 def _half_kernel(imp, dt, shp, fn, *args):
