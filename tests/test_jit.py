@@ -845,6 +845,28 @@ def test_scripted_repeat_interleave(dim):
     _scripted_grads_match_cpu(_RepeatInterleave(dim), torch.randn(2, 6))
 
 
+class _Gathers(nn.Module):
+    """Rows of a table picked by a 2-d index tensor (Whisper's positions: weight[ids]) and
+    torch.take of a 2-d index: relax take with indices of more than one dim, whose gradient's
+    kernel in TVM takes 1-d indices only."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(7, 4))
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        ids = torch.tensor([[0, 3, 3], [6, 1, 0]])
+        rows = self.table[ids]  # (2, 3, 4)
+        flat = torch.take(self.table, torch.tensor([[1, 27], [27, 5]]))  # (2, 2)
+        return self.fc(x + rows).sum(1) + flat.sum()
+
+
+def test_scripted_gathers_with_2d_indices_have_pytorchs_gradients():
+    torch.manual_seed(0)
+    _scripted_grads_match_cpu(_Gathers(), torch.randn(2, 3, 4))
+
+
 class _Stack(nn.Module):
     """GPT-J's rotate_every_two: the negated odd and the even features stacked on a new last dim."""
 

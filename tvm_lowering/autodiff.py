@@ -427,8 +427,18 @@ def _extremum_grad(orig_call, output_grad, bb, loses):
 def _take_grad(orig_var, orig_call, output_grad, bb):
     x, indices = orig_call.args[0], orig_call.args[1]
     axis = orig_call.attrs.axis
-    if axis is None or len(indices.ty.shape) != 0:
+    rank = len(indices.ty.shape)
+    if rank == 1:
         return _op_gradient.take_grad(orig_var, orig_call, output_grad, bb)
+    if rank > 1 or axis is None:  # (Whisper's positions): the indices flattened, and the gradient's dims they made
+        n = math.prod(_shape(indices))
+        flat = op.reshape(indices, [n])
+        if axis is None:
+            g = op.reshape(output_grad, [n])
+        else:
+            axis = int(axis) % len(_shape(x))
+            g = op.reshape(output_grad, _shape(x)[:axis] + [n] + _shape(x)[axis + 1:])
+        return [op.grad.take_backward(g, x, flat, axis), op.grad.no_grad(indices)]
     axis = int(axis) % len(_shape(x))
     g = op.expand_dims(output_grad, axis)
     if isinstance(indices, tvm.ir.expr.Constant):  # x[..., i, ...] (select): pad the gradient around i
