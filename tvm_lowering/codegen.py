@@ -157,8 +157,7 @@ class KernelCache:
         self._lock = threading.Lock()
 
     def name(self, mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule:
-        """`mod` (a Relax module through its pipeline) with every kernel named by its content: one
-    name, ever, for each kernel in this process (and across processes, for the same content)."""
+        """`mod` (a Relax module through its pipeline) with every kernel named by its content."""
         where = (str(target), str(tvm.transform.PassContext.current().config))
         funcs, taken = {}, set()
         with self._lock:
@@ -190,16 +189,7 @@ class KernelCache:
         name = self._fresh(f"{base}_{key[-1]:016x}")
         names.append(name)
         self._entries[name] = [func, key, None]
-        self._trim()
         return name
-
-    def _trim(self):
-        """Drop the least recently used kernels past `capacity` (the lock held)."""
-        while len(self._entries) > self.capacity:
-            name, (_, key, _) = self._entries.popitem(last=False)
-            self._by_key[key].remove(name)
-            if not self._by_key[key]:
-                del self._by_key[key]
 
     def split(self, mod: tvm.IRModule) -> tuple:
         """(the kernels of `mod` not built yet, the distinct modules holding the others)."""
@@ -220,7 +210,11 @@ class KernelCache:
                 entry = self._entries.get(gv.name_hint)
                 if entry is not None:
                     entry[2] = lib
-            self._trim()
+            while len(self._entries) > self.capacity:
+                name, (_, key, _) = self._entries.popitem(last=False)
+                self._by_key[key].remove(name)
+                if not self._by_key[key]:
+                    del self._by_key[key]
 
     def __len__(self):
         return sum(entry[2] is not None for entry in self._entries.values())
@@ -259,12 +253,9 @@ def link(mod: tvm.IRModule, target: tvm.target.Target, jit: bool = True, threads
     device_libs = [m for m in ext_libs if vm_build._is_device_module(m)]
     host_libs = [m for m in ext_libs if not vm_build._is_device_module(m)]
     shared = jit and target.kind.name == "llvm" and not device_libs
-    # Every kernel named by its content, exported programs' too. With TVM's own names, a tiny
-    # GPT-J's step under torch.compile trained to NaN from the disk cache (its backward and AdamW
-    # programs exported, both needed: tests/test_scripts.py) and like CPU without it; what binds
-    # the wrong kernel was not found (two exported libraries with kernels of one name alone
-    # run right), but names that stand for one kernel only leave nothing to bind wrongly.
-    mod = KERNELS.name(_called(mod), target)
+    mod = _called(mod)
+    if shared:
+        mod = KERNELS.name(mod, target)
     builder = relax.ExecBuilder()
     mod = vm_build._vmcodegen(builder, mod, "bytecode")
     tir_mod = vm_build._filter_tir(mod)
