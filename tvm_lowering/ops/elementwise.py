@@ -305,7 +305,7 @@ def power(imp, node):
     shp, dt = out_meta(node)
     if dt in ("float32", "float64") and node.target.__name__ == "pow.Tensor_Scalar" \
             and isinstance(node.args[1], (int, float)) and float(node.args[1]) in _PRODUCTS:
-        return _as_products(imp, env(imp, node.args[0]), float(node.args[1]), shp, dt)
+        return _as_products(imp, env(imp, node.args[0]), float(node.args[1]), dt)
     if dt not in _HALF:
         return imp.tvm_rules[node.target.__name__](node)
     if imp.differentiable:  # Relax's power, which has a gradient, in float32
@@ -337,10 +337,8 @@ _PRODUCTS = {2.0: lambda x: relax.op.multiply(x, x),
              -2.0: lambda x: relax.op.divide(relax.const(1.0, dtype(x)), relax.op.multiply(x, x))}
 
 
-def _as_products(imp, x, e, shp, dt):
-    x = to_dtype(imp, x, dt)
-    x = x if shape(x) == shp else emit(imp, relax.op.broadcast_to(x, shp))
-    return emit(imp, _PRODUCTS[e](x))
+def _as_products(imp, x, e, dt):
+    return emit(imp, _PRODUCTS[e](to_dtype(imp, x, dt)))  # x^e has x's shape: no broadcast
 
 
 def _half_kernel(imp, dt, shp, fn, *args):
