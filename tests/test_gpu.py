@@ -119,6 +119,39 @@ def test_3d_convolutions_pools_and_padding_step_builds_for_cuda(dev, build_for_c
     lm.mark_step()
 
 
+class _Tokens(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 4)
+        self.head = torch.nn.Linear(4, 3)
+
+    def forward(self, ids):
+        return self.head(self.emb(ids))
+
+
+def test_every_kernel_of_a_cuda_build_binds_gpu_threads(dev, build_for_cuda):
+    """A kernel that binds no GPU thread is left on the host by TVM's build, where it runs on the
+    CPU through CUDA pointers (SIGSEGV): relax Gradient's take_backward, a scripted embedding's
+    gradient, was one; DefaultGPUSchedule puts it on the GPU (cuda_pipeline.py)."""
+    from tvm_lowering import pipeline
+
+    model = ratex.jit.script(_Tokens()).to(dev)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ids = torch.tensor([[1, 2, 2], [7, 0, 1]])
+    F.mse_loss(model(ids.to(dev)), torch.randn(2, 3, 3).to(dev)).backward()
+    opt.step()
+    step = graph.cut([st.value for st in sync.pending_storages()])
+    mod = tvm_lowering.import_graph(graph.to_fx(step), library=False)
+    lm.mark_step()
+    target = tvm_lowering.resolve_target("GPU", "sm_90")
+    with target.tvm:
+        lowered = tvm.transform.Sequential(pipeline._passes(target, tvm_lowering.Options()))(mod)
+    kernels = {gv.name_hint: str(f) for gv, f in lowered.functions.items() if isinstance(f, tvm.tirx.PrimFunc)}
+    assert any("take_backward" in name for name in kernels), sorted(kernels)
+    assert [name for name, text in kernels.items() if "T.thread_binding" not in text] == []
+    build_for_cuda(mod)
+
+
 def test_full_reductions_with_an_epilogue_build_for_cuda(dev, build_for_cuda):
     """A mean over every axis into a 0-d tensor (mse_loss's): dlight's Reduction rule raises on it
     (block_realize check), GeneralReduction schedules it (tvm_lowering/cuda_pipeline.py)."""

@@ -8,6 +8,12 @@ into a 0-d tensor with an epilogue (`mean` over every axis, so `mse_loss`): "Che
 block_realize == old_block_realize_". Here a rule that raises counts as one that does not fit, and
 the next (GeneralReduction, then Fallback) schedules the kernel.
 
+A kernel that no rule schedules binds no GPU thread, and TVM's build then leaves it on the host:
+it runs on the CPU, reading and writing CUDA memory through device pointers, and the process
+dies of SIGSEGV. relax Gradient's `take_backward` (an embedding's gradient in a scripted model,
+a serial scatter-add loop) is one. TVM's DefaultGPUSchedule, last, binds each such kernel: its
+loops to threads where it can, an opaque body (that scatter) to one thread, slow but right.
+
 TVM's CUDA codegen prints a bfloat16 constant as `__float2bfloat16_rn(<hexfloat>f)`, which for
 inf and NaN is `__float2bfloat16_rn(-inff)`: no such identifier, and NVRTC fails the program
 (`x.bfloat16().clamp(min=-inf)`, masks in bfloat16). `_postproc`, TVM's hook on the source before
@@ -26,6 +32,7 @@ import threading
 import tvm
 from tvm.relax.backend.cuda import pipeline as _tvm
 from tvm.support import nvcc as _nvcc  # registers TVM's compile hook, which compile_cuda replaces below
+from tvm import s_tir
 from tvm.s_tir import dlight as dl
 
 library_dispatch_passes = _tvm.library_dispatch_passes
@@ -48,9 +55,29 @@ class Tolerant(dl.ScheduleRule):
 
 
 def legalize_passes(target):
-    """Return TVM's legalization passes for CUDA, each default-schedule rule made `Tolerant`."""
-    return [dl.ApplyDefaultSchedule(*(Tolerant(r) for r in p.rules)) if p.info.name == "ApplyDefaultSchedule" else p
-            for p in _tvm.legalize_passes(target)]
+    """Return TVM's legalization passes for CUDA, each default-schedule rule made `Tolerant`, then
+    TVM's DefaultGPUSchedule for the kernels no rule scheduled (see the module doc)."""
+    passes = [dl.ApplyDefaultSchedule(*(Tolerant(r) for r in p.rules)) if p.info.name == "ApplyDefaultSchedule" else p
+              for p in _tvm.legalize_passes(target)]
+    return passes + [bind_unbound_kernels]
+
+
+def _binds_threads(func) -> bool:
+    text = str(func)  # (TVM exposes no TIR visitor to Python)
+    return "T.thread_binding(" in text or "T.launch_thread(" in text or '"thread_extent"' in text
+
+
+@tvm.transform.module_pass(opt_level=0, name="RatexBindUnboundKernels")
+def bind_unbound_kernels(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+    """Give TVM's DefaultGPUSchedule the kernels that bind no GPU thread (those alone: it would
+    wrap a kernel that binds some of its loops in a launch of its own)."""
+    unbound = {gv: f for gv, f in mod.functions.items() if isinstance(f, tvm.tirx.PrimFunc) and not _binds_threads(f)}
+    if not unbound:
+        return mod
+    bound = s_tir.transform.DefaultGPUSchedule()(tvm.IRModule(unbound))
+    for gv in unbound:
+        mod[gv] = bound[gv.name_hint]
+    return mod
 
 
 _BF16_SPECIAL = re.compile(r"__float2bfloat16_rn\((-?)(inf|nan)f/\*[^*]*\*/\)")
