@@ -152,6 +152,25 @@ def test_every_kernel_of_a_cuda_build_binds_gpu_threads(dev, build_for_cuda):
     build_for_cuda(mod)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_half_precision_powers_and_floor_division_build_for_cuda(dev, dtype, build_for_cuda):
+    """Kernels written as lambdas were named `<lambda>`, which CUDA source cannot name: NVRTC
+    failed the program and half-precision pow ran on CPU PyTorch on the GPU. (bfloat16 floor
+    division is left out: the GPU schedules inline its staged roundings into one expression,
+    whose CUDA source takes minutes to compile; see README's limitations.)"""
+    a = torch.rand(4, 8).to(dtype).to(dev) + 0.5
+    b = torch.randn(4, 8).to(dtype).to(dev)
+    outs = [a.pow(2.3), a.pow(b.abs())]
+    outs.append(torch.div(b, a, rounding_mode="floor") if dtype == torch.float16 else a * b)
+    step = graph.cut([st.value for st in sync.pending_storages()])
+    mod = tvm_lowering.import_graph(graph.to_fx(step), library=False, host_kernels=False)
+    lm.mark_step()
+    names = [gv.name_hint for gv, f in mod.functions.items() if isinstance(f, tvm.tirx.PrimFunc)]
+    assert names and all(name.isidentifier() for name in names), names
+    build_for_cuda(mod)
+    assert len(outs) == 3
+
+
 def test_full_reductions_with_an_epilogue_build_for_cuda(dev, build_for_cuda):
     """A mean over every axis into a 0-d tensor (mse_loss's): dlight's Reduction rule raises on it
     (block_realize check), GeneralReduction schedules it (tvm_lowering/cuda_pipeline.py)."""

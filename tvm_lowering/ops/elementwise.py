@@ -151,7 +151,7 @@ def div_mode(imp, node):
     for a in node.args[:2]:
         x = cast(imp, env(imp, a), compute) if isinstance(a, torch.fx.Node) else relax.const(a, compute)
         xs.append(x if shape(x) == out_shape else emit(imp, relax.op.broadcast_to(x, out_shape)))
-    return imp.block_builder.emit_te(lambda a, b: _div_floor_te(a, b, r, dt), *xs)
+    return emit_te(imp, lambda a, b: _div_floor_te(a, b, r, dt), *xs, primfunc_name_hint="floor_divide")
 
 
 @rule("addcmul.default")
@@ -275,8 +275,10 @@ def float_class(imp, node):
         x = cast(imp, x, "float32")
     if not is_float(dtype(x)):  # an integer is never NaN or infinite
         return filled(imp, node, node.target.__name__.startswith("isfinite"))
-    fn = {"isnan": relax.op.isnan, "isinf": relax.op.isinf, "isfinite": relax.op.isfinite}
-    return emit(imp, fn[node.target.__name__.split(".")[0]](x))
+    name = node.target.__name__.split(".")[0]
+    if name == "isfinite":  # TVM's isfinite called NaN finite on the GPU (its isnan and isinf are right there)
+        return emit(imp, relax.op.logical_not(relax.op.logical_or(relax.op.isnan(x), relax.op.isinf(x))))
+    return emit(imp, {"isnan": relax.op.isnan, "isinf": relax.op.isinf}[name](x))
 
 
 # ---- casts ------------------------------------------------------------------------------------
@@ -347,7 +349,8 @@ def _half_kernel(imp, dt, shp, fn, *args):
         value = fn(*values)
         return (round_bf16(value) if dt == "bfloat16" else value).astype(dt)
 
-    return emit_te(imp, lambda *ts: te.compute(shp, lambda *i: at(*(t(*i) for t in ts)), name="pow"), *args)
+    return emit_te(imp, lambda *ts: te.compute(shp, lambda *i: at(*(t(*i) for t in ts)), name="pow"), *args,
+                   primfunc_name_hint="pow")
 
 
 # ---- functions accurate near zero -------------------------------------------------------------

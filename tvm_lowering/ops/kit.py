@@ -34,7 +34,11 @@ def emit(imp, expr):
 
 
 def emit_te(imp, fn, *args, **kwargs):
-    """Return the Relax variable bound to a call_tir of the TE compute `fn(*args)`."""
+    """Return the Relax variable bound to a call_tir of the TE compute `fn(*args)`. The kernel is
+    named after `fn`, a lambda's `te_kernel`: a CUDA kernel named `<lambda>` is not valid C, and
+    NVRTC fails the whole program."""
+    if "primfunc_name_hint" not in kwargs and not fn.__name__.isidentifier():
+        kwargs["primfunc_name_hint"] = "te_kernel"
     return imp.block_builder.emit_te(fn, *args, **kwargs)
 
 
