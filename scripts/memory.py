@@ -61,7 +61,8 @@ def _child(args):
 
 
 def _maxrss(args, aliasing: bool, cache: str) -> float:
-    env = dict(os.environ, ENABLE_PARAM_ALIASING=str(aliasing).lower(), RATEX_CACHE_DIR=cache, PYTHONPATH=ROOT)
+    env = dict(os.environ, ENABLE_PARAM_ALIASING=str(aliasing).lower(), RATEX_CACHE_DIR=cache,
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, os.path.abspath(__file__), "--child", *sys.argv[1:]]
     for _ in range(2):  # the first run fills the cache, the second is measured
         out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout

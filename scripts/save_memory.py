@@ -58,7 +58,7 @@ def _child(args):
 
 def measure(way: str, size_mb: int, tensors: int) -> dict:
     """Run one way of saving in a fresh process; return its figures (MB)."""
-    env = dict(os.environ, PYTHONPATH=ROOT, RATEX_CACHE_DIR="")
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), RATEX_CACHE_DIR="")
     cmd = [sys.executable, os.path.abspath(__file__), "--child", way, "--size-mb", str(size_mb),
            "--tensors", str(tensors)]
     out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout

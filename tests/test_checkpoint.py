@@ -150,7 +150,7 @@ def test_a_training_run_resumed_in_a_fresh_process_goes_on_unchanged(dev, tmp_pa
         "print(json.dumps({'losses': losses, 'compiles': compiles}))\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, PYTHONPATH=ROOT))
+                          env=dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")))
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["losses"] == want, (got["losses"], want)

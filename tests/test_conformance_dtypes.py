@@ -14,6 +14,9 @@ import os
 
 import pytest
 
+# torch.testing._internal (OpInfo, module_db, optim_db) imports expecttest, a test extra
+pytest.importorskip("expecttest", reason="pip install expecttest (pyproject's test extra)")
+
 from ratex import config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

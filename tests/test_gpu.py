@@ -237,6 +237,8 @@ def test_cuda_source_compiles_without_fast_math(build_for_cuda, tmp_path):
         ours = tvm.get_global_func("tvm_callback_cuda_compile")(code, target)
         fast = nvcc.compile_cuda(code, target_format="cubin", compiler="nvrtc")
     assert approximations(ours) == set()
+    if not approximations(fast):  # (an H100 machine's NVRTC 13 gave none even with the flag)
+        pytest.skip("this NVRTC made no approximate intrinsics with --use_fast_math either: nothing to compare")
     assert approximations(fast) == {"MUFU.SIN", "MUFU.LG2", "MUFU.TANH"}  # TVM's own compile has them
 
 
@@ -260,7 +262,8 @@ def _gpu_lowering_on_cpu(fn, *args):
         lm.mark_step()
     gpu, cpu = tvm_lowering.resolve_target("GPU"), tvm_lowering.resolve_target("CPU")
     vm = tvm.relax.VirtualMachine(tvm_lowering.build(mod, dataclasses.replace(cpu, legalize=gpu.legalize)), tvm.cpu())
-    got = vm["main"](*(resolve(node.results[i]) for node, i in step.leaves))
+    inputs = [resolve(node.results[i]) for node, i in step.leaves]  # (CUDA tensors under RATEX_DEVICE=GPU)
+    got = vm["main"](*(x.cpu() if isinstance(x, torch.Tensor) else x for x in inputs))
     return torch.from_dlpack(got[0] if isinstance(got, (list, tuple, tvm_ffi.Array)) else got)
 
 
