@@ -74,7 +74,12 @@ def bind_unbound_kernels(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
     unbound = {gv: f for gv, f in mod.functions.items() if isinstance(f, tvm.tirx.PrimFunc) and not _binds_threads(f)}
     if not unbound:
         return mod
-    bound = s_tir.transform.DefaultGPUSchedule()(tvm.IRModule(unbound))
+    try:
+        bound = s_tir.transform.DefaultGPUSchedule()(tvm.IRModule(unbound))
+    except Exception as e:  # noqa: BLE001 - TVM's errors; the build fails with the kernels named
+        names = ", ".join(sorted(gv.name_hint for gv in unbound))
+        raise RuntimeError(f"kernels {names} bind no GPU thread, and TVM's DefaultGPUSchedule cannot "
+                           f"schedule them ({str(e).strip().splitlines()[-1]})") from e
     for gv in unbound:
         mod[gv] = bound[gv.name_hint]
     return mod
