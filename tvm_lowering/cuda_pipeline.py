@@ -12,7 +12,9 @@ A kernel that no rule schedules binds no GPU thread, and TVM's build then leaves
 it runs on the CPU, reading and writing CUDA memory through device pointers, and the process
 dies of SIGSEGV. relax Gradient's `take_backward` (an embedding's gradient in a scripted model,
 a serial scatter-add loop) is one. TVM's DefaultGPUSchedule, last, binds each such kernel: its
-loops to threads where it can, an opaque body (that scatter) to one thread, slow but right.
+loops to threads where it can, an opaque body (that scatter) to one thread, slow but right. Where
+it cannot (TVM's adaptive pool, with nested blocks), the build fails naming the kernels, and the
+lazy path runs the op on PyTorch.
 
 TVM's CUDA codegen prints a bfloat16 constant as `__float2bfloat16_rn(<hexfloat>f)`, which for
 inf and NaN is `__float2bfloat16_rn(-inff)`: no such identifier, and NVRTC fails the program
