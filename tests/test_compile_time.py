@@ -109,7 +109,8 @@ def test_kernels_are_split_over_threads_each_once():
 @pytest.mark.parametrize("threads", [1, 2])
 def test_a_program_built_on_threads_computes_what_torch_does(threads, monkeypatch):
     monkeypatch.setattr(codegen, "cores", lambda: threads)
-    executable = build(_module(extra=True), CPU, jit=False)  # not shared: built here whatever ran before
+    monkeypatch.setattr(codegen, "KERNELS", codegen.KernelCache())  # built here whatever ran before
+    executable = build(_module(extra=True), CPU)
     x, y = torch.randn(4, 8), torch.randn(4, 8)
     torch.testing.assert_close(_run(executable, x, y), _expected(x, y, extra=True))
 
@@ -150,7 +151,9 @@ def test_an_exported_program_neither_uses_nor_fills_the_kernel_cache(kernels, tm
     build(_module(), CPU)
     held = len(cache)
     exported = build(_module(), CPU, jit=False)
-    assert len(cache) == held and [len(m) for m in made] == [2, 2]
+    # one module, built on this thread: shards built at once and linked into one library made
+    # wrong libraries now and then (codegen.build_kernels)
+    assert len(cache) == held and [len(m) for m in made] == [2]
     path = str(tmp_path / "program.so")
     exported.export_library(path)
     x, y = torch.randn(4, 8), torch.randn(4, 8)

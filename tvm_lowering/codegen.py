@@ -3,9 +3,9 @@ that cannot fail.
 
 TVM's LLVM code generation builds one module on one thread, and most of a cold compile is spent
 there. A program's kernels are independent functions, so they are split into one module per
-available core, each built (and, for a program that runs in this process, JIT-compiled) on a
-thread of its own; TVM releases the GIL while it generates code. The first module imports the
-others, where the VM finds every kernel by name.
+available core, each built and JIT-compiled on a thread of its own; TVM releases the GIL while it
+generates code. The first module imports the others, where the VM finds every kernel by name. A
+program exported to the disk cache is built as one module on one thread (see `build_kernels`).
 
 Every kernel is a packed function whose prologue checks each argument (count, type, ndim, dtype,
 device, shape, strides, offset) and builds an error message for each check: most of a small
@@ -125,11 +125,17 @@ def _build_shards(mod: tvm.IRModule, target: tvm.target.Target, jit: bool, threa
 
 
 def build_kernels(mod: tvm.IRModule, target: tvm.target.Target, jit: bool, threads: int = 0):
-    """Return the runtime module of the kernels (PrimFuncs) in `mod` for `target`, built on
-    `threads` threads (0: one per core); with `jit`, their machine code is made too (it is
-    otherwise made when a VM first looks a kernel up, on one thread)."""
+    """Return the runtime module of the kernels (PrimFuncs) in `mod` for `target`: with `jit`, built
+    and JIT-compiled on `threads` threads (0: one per core); without, as one module on this thread
+    (its machine code is made when it is exported)."""
     if target.kind.name != "llvm":
         return tvm.tirx.build(mod, target=target)
+    if not jit:
+        # An exported program (the disk cache) is built as one module on one thread: its shards,
+        # built at once and then linked into one library, made a wrong library about every other
+        # time (a tiny GPT-J's compiled step trained to NaN from the disk cache; built one after
+        # the other, or as one module, it never did).
+        return tvm.tirx.build(mod, target=target, pipeline=PIPELINE)
     libs = [lib for _, lib in _build_shards(mod, target, jit, threads)]
     for lib in libs[1:]:
         libs[0].import_module(lib)
