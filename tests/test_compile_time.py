@@ -1,6 +1,7 @@
 """What makes a cold compile cheaper: kernels without the argument checks the VM makes itself,
 built on threads, and kernels, schedules and legalizations shared by a process's programs."""
 import collections
+import dataclasses
 
 import pytest
 import torch
@@ -106,13 +107,33 @@ def test_kernels_are_split_over_threads_each_once():
     assert len(shards) == 2 and sorted(names) == sorted(gv.name_hint for gv in mod.get_global_vars())
 
 
+# An llvm target without command-line options: its kernels may be built on several threads.
+PLAIN_LLVM = dataclasses.replace(CPU, tvm=tvm.target.Target({"kind": "llvm"}))
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_a_program_built_on_threads_computes_what_torch_does(threads, monkeypatch):
     monkeypatch.setattr(codegen, "cores", lambda: threads)
     monkeypatch.setattr(codegen, "KERNELS", codegen.KernelCache())  # built here whatever ran before
-    executable = build(_module(extra=True), CPU)
+    executable = build(_module(extra=True), PLAIN_LLVM)
     x, y = torch.randn(4, 8), torch.randn(4, 8)
     torch.testing.assert_close(_run(executable, x, y), _expected(x, y, extra=True))
+
+
+def test_kernels_of_a_target_with_llvm_options_are_built_on_one_thread(monkeypatch):
+    """LLVM's command-line options are process-wide, and TVM sets a target's `cl-opt` around each
+    build and puts back what it found: on two threads at once, the CPU target's
+    -enable-if-conversion=false was off mid-build now and then (a slice_scatter miscompiled, and
+    a tiny GPT-J trained to NaN)."""
+    counts = []
+    shards = codegen._shards
+    monkeypatch.setattr(codegen, "_shards", lambda mod, count: counts.append(count) or shards(mod, count))
+    monkeypatch.setattr(codegen, "cores", lambda: 2)
+    monkeypatch.setattr(codegen, "KERNELS", codegen.KernelCache())
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    for target in (CPU, PLAIN_LLVM):
+        torch.testing.assert_close(_run(build(_module(extra=True), target), x, y), _expected(x, y, extra=True))
+    assert counts == [1, 2]
 
 
 @pytest.fixture

@@ -4,8 +4,10 @@ that cannot fail.
 TVM's LLVM code generation builds one module on one thread, and most of a cold compile is spent
 there. A program's kernels are independent functions, so they are split into one module per
 available core, each built and JIT-compiled on a thread of its own; TVM releases the GIL while it
-generates code. The first module imports the others, where the VM finds every kernel by name. A
-program exported to the disk cache is built as one module on one thread (see `build_kernels`).
+generates code. The first module imports the others, where the VM finds every kernel by name.
+Not for a target with LLVM command-line options (`cl-opt`, the CPU target's): those are
+process-wide, and builds on several threads set and reset them under each other (see
+`_build_shards`). A program exported to the disk cache is built as one module on one thread.
 
 Every kernel is a packed function whose prologue checks each argument (count, type, ndim, dtype,
 device, shape, strides, offset) and builds an error message for each check: most of a small
@@ -117,7 +119,13 @@ def _build_shards(mod: tvm.IRModule, target: tvm.target.Target, jit: bool, threa
                 lib.get_function(gv.name_hint)
         return lib
 
-    shards = _shards(mod, threads or cores())
+    # LLVM's command-line options are process-wide: TVM sets a target's `cl-opt` when a build
+    # starts and puts back what it found when it ends, so builds on two threads undo each
+    # other's. The CPU target's `-enable-if-conversion=false` came and went mid-build, and a
+    # slice_scatter kernel was vectorized into the masked loads that read the wrong elements
+    # (targets.py): a tiny GPT-J trained to NaN about every other time. Such a target's kernels
+    # are built as one module, on this thread.
+    shards = _shards(mod, 1 if target.attrs.get("cl-opt") else threads or cores())
     if len(shards) < 2:
         return [(mod, build(mod))]
     with concurrent.futures.ThreadPoolExecutor(len(shards), thread_name_prefix="ratex-codegen") as pool:
@@ -130,11 +138,7 @@ def build_kernels(mod: tvm.IRModule, target: tvm.target.Target, jit: bool, threa
     (its machine code is made when it is exported)."""
     if target.kind.name != "llvm":
         return tvm.tirx.build(mod, target=target)
-    if not jit:
-        # An exported program (the disk cache) is built as one module on one thread: its shards,
-        # built at once and then linked into one library, made a wrong library about every other
-        # time (a tiny GPT-J's compiled step trained to NaN from the disk cache; built one after
-        # the other, or as one module, it never did).
+    if not jit:  # its machine code is made when it is exported, on one thread
         return tvm.tirx.build(mod, target=target, pipeline=PIPELINE)
     libs = [lib for _, lib in _build_shards(mod, target, jit, threads)]
     for lib in libs[1:]:
