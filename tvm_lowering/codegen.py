@@ -1,5 +1,5 @@
-"""Machine code for a program's kernels: built on several threads, without the argument checks
-that cannot fail.
+"""Machine code for a program's kernels: built on several threads where the target allows, without
+the argument checks that cannot fail.
 
 TVM's LLVM code generation builds one module on one thread, and most of a cold compile is spent
 there. A program's kernels are independent functions, so they are split into one module per
