@@ -160,7 +160,7 @@ def test_half_precision_powers_and_floor_division_build_for_cuda(dev, dtype, bui
     whose CUDA source takes minutes to compile; see README's limitations.)"""
     a = torch.rand(4, 8).to(dtype).to(dev) + 0.5
     b = torch.randn(4, 8).to(dtype).to(dev)
-    outs = [a.pow(2.3), a.pow(b.abs())]
+    outs = [a.pow(2.3), a.pow(b.abs())]  # held: pending until the step is cut below
     outs.append(torch.div(b, a, rounding_mode="floor") if dtype == torch.float16 else a * b)
     step = graph.cut([st.value for st in sync.pending_storages()])
     mod = tvm_lowering.import_graph(graph.to_fx(step), library=False, host_kernels=False)
@@ -168,7 +168,6 @@ def test_half_precision_powers_and_floor_division_build_for_cuda(dev, dtype, bui
     names = [gv.name_hint for gv, f in mod.functions.items() if isinstance(f, tvm.tirx.PrimFunc)]
     assert names and all(name.isidentifier() for name in names), names
     build_for_cuda(mod)
-    assert len(outs) == 3
 
 
 def test_full_reductions_with_an_epilogue_build_for_cuda(dev, build_for_cuda):

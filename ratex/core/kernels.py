@@ -212,6 +212,12 @@ _NATIVE_PATH = native_library_path()
 _REBUILD = "rebuild it with scripts/setup.sh in a checkout, or reinstall ratex"
 
 
+def takes_cuda(lib) -> bool:
+    """Whether the native library `lib` was built against a torch with CUDA (its kernels then take
+    CUDA tensors as well as CPU ones); a library built before the symbol existed did not."""
+    return hasattr(lib, "RatexNativeCuda") and bool(lib.RatexNativeCuda())
+
+
 def _load_native():
     """The native kernel library, registered over the Python kernels; None when it is
     turned off, not built, built for another torch (its ATen ABI may differ), or, for a GPU
@@ -230,7 +236,7 @@ def _load_native():
         print(f"ratex: not using the native kernels (built for torch {built_for}, running {torch.__version__}); "
               f"{_REBUILD}")
         return None
-    if device_type == "cuda" and not (hasattr(lib, "RatexNativeCuda") and lib.RatexNativeCuda()):
+    if device_type == "cuda" and not takes_cuda(lib):
         if torch.version.cuda is not None:  # (a torch without CUDA can't run the GPU backend at all)
             print(f"ratex: not using the native kernels on GPU (built without CUDA: is the CUDA toolkit "
                   f"installed?); {_REBUILD}")

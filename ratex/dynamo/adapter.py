@@ -55,8 +55,7 @@ def options(kind: str) -> tvm_lowering.Options:
     Without the library every convolution would be TVM's default CUDA schedule, a plain loop
     nest per thread: LeNet-5 b64's compiled step ran 3-4x slower than eager CUDA's.
     """
-    native = kernels.NATIVE
-    runs = kind == "CPU" or native is None or bool(getattr(native, "RatexNativeCuda", lambda: 0)())
+    runs = kind == "CPU" or kernels.NATIVE is None or kernels.takes_cuda(kernels.NATIVE)
     return target(kind).options(config.KERNELS.lower(), runs, config.CPU_SCHEDULE)
 
 
