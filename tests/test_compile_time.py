@@ -120,20 +120,62 @@ def test_a_program_built_on_threads_computes_what_torch_does(threads, monkeypatc
     torch.testing.assert_close(_run(executable, x, y), _expected(x, y, extra=True))
 
 
-def test_kernels_of_a_target_with_llvm_options_are_built_on_one_thread(monkeypatch):
+def _concat_module():
+    """main(x, y) = (concat([x, y], axis 1) * 2, exp(x) - y): a kernel that branches (the concat's
+    if_then_else) and one that does not."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((4, 8), F32))
+    y = relax.Var("y", relax.TensorType((4, 8), F32))
+    with bb.function("main", [x, y]):
+        with bb.dataflow():
+            two = relax.const(2.0, F32)
+            outs = [bb.emit(relax.op.multiply(relax.op.concat([x, y], axis=1), two)),
+                    bb.emit(relax.op.subtract(relax.op.exp(x), y))]
+            out = bb.emit_output(relax.Tuple(outs))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+@pytest.mark.parametrize("jit", [True, False])
+def test_only_kernels_that_branch_are_built_with_the_targets_llvm_options(jit, monkeypatch, tmp_path):
     """LLVM's command-line options are process-wide, and TVM sets a target's `cl-opt` around each
     build and puts back what it found: on two threads at once, the CPU target's
     -enable-if-conversion=false was off mid-build now and then (a slice_scatter miscompiled, and
-    a tiny GPT-J trained to NaN)."""
-    counts = []
-    shards = codegen._shards
-    monkeypatch.setattr(codegen, "_shards", lambda mod, count: counts.append(count) or shards(mod, count))
+    a tiny GPT-J trained to NaN). The option changes only loops that branch: the other kernels
+    are built without it, on any thread, and those that branch with it, under one lock."""
+    builds = []
+    real = tvm.tirx.build
+
+    def spy(mod, target=None, pipeline=None):
+        names = sorted(gv.name_hint for gv in mod.get_global_vars())
+        options = bool(target.attrs.get("cl-opt"))
+        builds.append((names, options, options and codegen.LLVM_OPTIONS.locked()))
+        return real(mod, target=target, pipeline=pipeline)
+
+    monkeypatch.setattr(tvm.tirx, "build", spy)
     monkeypatch.setattr(codegen, "cores", lambda: 2)
     monkeypatch.setattr(codegen, "KERNELS", codegen.KernelCache())
+    executable = build(_concat_module(), CPU, jit=jit)
+    if not jit:
+        path = str(tmp_path / "program.so")
+        with codegen.LLVM_OPTIONS:
+            executable.export_library(path)
+        executable = tvm.runtime.load_module(path)
     x, y = torch.randn(4, 8), torch.randn(4, 8)
-    for target in (CPU, PLAIN_LLVM):
-        torch.testing.assert_close(_run(build(_module(extra=True), target), x, y), _expected(x, y, extra=True))
-    assert counts == [1, 2]
+    torch.testing.assert_close(_run(executable, x, y), [torch.cat([x, y], 1) * 2, x.exp() - y])
+    with_options = [names for names, options, _ in builds if options]
+    assert len(with_options) == 1 and all(held for _, options, held in builds if options)
+    assert with_options[0] and all("concatenate" in name for name in with_options[0])
+    others = [name for names, options, _ in builds if not options for name in names]
+    assert others and not any("concatenate" in name for name in others)
+
+
+def test_a_kernel_branches_where_its_tir_can():
+    with CPU.tvm:
+        mod = tvm.transform.Sequential(pipeline._passes(CPU, CPU.options()))(_concat_module())
+    kernels = {gv.name_hint: codegen._branching(f) for gv, f in mod.functions.items() if isinstance(f, tirx.PrimFunc)}
+    assert sorted(kernels.values()) == [False, True]
+    assert all(branches == ("concatenate" in name) for name, branches in kernels.items())
 
 
 @pytest.fixture
@@ -172,11 +214,10 @@ def test_an_exported_program_neither_uses_nor_fills_the_kernel_cache(kernels, tm
     build(_module(), CPU)
     held = len(cache)
     exported = build(_module(), CPU, jit=False)
-    # one module, built on this thread: shards built at once and linked into one library made
-    # wrong libraries now and then (codegen.build_kernels)
-    assert len(cache) == held and [len(m) for m in made] == [2]
+    assert len(cache) == held and [len(m) for m in made] == [2, 2]  # built anew
     path = str(tmp_path / "program.so")
-    exported.export_library(path)
+    with codegen.LLVM_OPTIONS:
+        exported.export_library(path)
     x, y = torch.randn(4, 8), torch.randn(4, 8)
     torch.testing.assert_close(_run(tvm.runtime.load_module(path), x, y), _expected(x, y))
 

@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import tvm
 
-from . import disk_cache, pipeline, tuning
+from . import codegen, disk_cache, pipeline, tuning
 from .targets import Options, Target
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -168,7 +168,9 @@ class CompileCache:
             return None
         try:
             meta = {**(info or {}), "salt": self.disk.salt, "kernels": built.report.kernels}
-            return tvm.runtime.load_module(self.disk.store(name, built.executable, meta))
+            with codegen.LLVM_OPTIONS:  # exporting makes machine code under the target's LLVM options
+                path = self.disk.store(name, built.executable, meta)
+            return tvm.runtime.load_module(path)
         except Exception as err:  # noqa: BLE001 - see the docstring
             if self.disk.root not in self._store_warned:
                 self._store_warned.add(self.disk.root)

@@ -1,13 +1,18 @@
-"""Machine code for a program's kernels: built on several threads where the target allows, without
-the argument checks that cannot fail.
+"""Machine code for a program's kernels: built on several threads, without the argument checks
+that cannot fail.
 
 TVM's LLVM code generation builds one module on one thread, and most of a cold compile is spent
 there. A program's kernels are independent functions, so they are split into one module per
-available core, each built and JIT-compiled on a thread of its own; TVM releases the GIL while it
-generates code. The first module imports the others, where the VM finds every kernel by name.
-Not for a target with LLVM command-line options (`cl-opt`, the CPU target's): those are
-process-wide, and builds on several threads set and reset them under each other (see
-`_build_shards`). A program exported to the disk cache is built as one module on one thread.
+available core, each built (and JIT-compiled, for a program that runs in this process) on a
+thread of its own; TVM releases the GIL while it generates code. The first module imports the
+others, where the VM finds every kernel by name.
+
+LLVM's command-line options (a target's `cl-opt`; the CPU target's `-enable-if-conversion=false`)
+are process-wide: TVM sets them when a build starts and puts back what it found when it ends, so
+two builds with options on two threads at once undo each other's. The option changes only how
+LLVM vectorizes a loop with a branch in it, so the kernels without one (most) are built for the
+target without its options, which touches none, on any thread; those with a branch are built as
+one module with the options, one such build in the process at a time (`llvm_options`).
 
 Every kernel is a packed function whose prologue checks each argument (count, type, ndim, dtype,
 device, shape, strides, offset) and builds an error message for each check: most of a small
@@ -20,8 +25,10 @@ it does not know.
 """
 import collections
 import concurrent.futures
+import contextlib
 import itertools
 import os
+import re
 import threading
 
 import tvm
@@ -106,40 +113,66 @@ def _shards(mod: tvm.IRModule, count: int) -> list:
     return [tvm.IRModule(funcs, attrs=mod.attrs) for _, funcs in loads]
 
 
+# Every TIR construct that LLVM's code for a kernel can branch on: a kernel without any has
+# straight-line loop bodies, which the target's LLVM options do not change.
+_BRANCHES = re.compile(r"\bif\b|if_then_else|T\.where|assert|Assert|\bwhile\b|break|continue|call_packed")
+# Held while TVM builds, JIT-compiles or exports code with LLVM command-line options.
+LLVM_OPTIONS = threading.Lock()
+
+
+def llvm_options(target: tvm.target.Target):
+    """LLVM_OPTIONS for a target with LLVM command-line options (see the module doc), else no lock."""
+    return LLVM_OPTIONS if target.kind.name == "llvm" and target.attrs.get("cl-opt") else contextlib.nullcontext()
+
+
+def _without_options(target: tvm.target.Target) -> tvm.target.Target:
+    return tvm.target.Target({k: v for k, v in target.export().items() if k != "cl-opt"})
+
+
+def _branching(func: tirx.PrimFunc) -> bool:
+    """Whether `func`'s code may branch (conservatively: by the words of its TIR)."""
+    return _BRANCHES.search(func.script()) is not None
+
+
 def _build_shards(mod: tvm.IRModule, target: tvm.target.Target, jit: bool, threads: int) -> list:
-    """Build the kernels of `mod` (an llvm target's) into one runtime module per shard, on a
-    thread each; with `jit`, each module's machine code is made on its thread too."""
+    """Build the kernels of `mod` (an llvm target's) into (shard, runtime module) pairs, a thread
+    each; with `jit`, each module's machine code is made on its thread too."""
     ctx = tvm.transform.PassContext.current()  # thread-local in TVM: each worker enters it again
 
-    def build(shard):
-        with ctx:
-            lib = tvm.tirx.build(shard, target=target, pipeline=PIPELINE)
-        if jit:
-            for gv in shard.get_global_vars():
-                lib.get_function(gv.name_hint)
+    def build(shard, shard_target):
+        with llvm_options(shard_target), ctx:
+            lib = tvm.tirx.build(shard, target=shard_target, pipeline=PIPELINE)
+            if jit:
+                for gv in shard.get_global_vars():
+                    lib.get_function(gv.name_hint)
         return lib
 
-    # LLVM's command-line options are process-wide: TVM sets a target's `cl-opt` when a build
-    # starts and puts back what it found when it ends, so builds on two threads undo each
-    # other's. The CPU target's `-enable-if-conversion=false` came and went mid-build, and a
-    # slice_scatter kernel was vectorized into the masked loads that read the wrong elements
-    # (targets.py): a tiny GPT-J trained to NaN about every other time. Such a target's kernels
-    # are built as one module, on this thread.
-    shards = _shards(mod, 1 if target.attrs.get("cl-opt") else threads or cores())
-    if len(shards) < 2:
-        return [(mod, build(mod))]
-    with concurrent.futures.ThreadPoolExecutor(len(shards), thread_name_prefix="ratex-codegen") as pool:
-        return list(zip(shards, pool.map(build, shards)))
+    count = threads or cores()
+    work = []
+    if target.attrs.get("cl-opt"):
+        # A slice_scatter built without the CPU target's -enable-if-conversion=false (a build on
+        # another thread had put it back mid-build) read the wrong elements: a tiny GPT-J
+        # trained to NaN about every other time (targets.py).
+        branching = {gv: f for gv, f in mod.functions.items() if _branching(f)}
+        if branching:
+            work.append((tvm.IRModule(branching, attrs=mod.attrs), target))
+            mod = tvm.IRModule({gv: f for gv, f in mod.functions.items() if gv not in branching}, attrs=mod.attrs)
+        target = _without_options(target)
+    if mod.get_global_vars():  # the branching module first: a thread takes it while the others share the rest
+        work += [(shard, target) for shard in _shards(mod, count)]
+    if len(work) < 2 or count < 2:
+        return [(shard, build(shard, shard_target)) for shard, shard_target in work]
+    with concurrent.futures.ThreadPoolExecutor(min(count, len(work)), thread_name_prefix="ratex-codegen") as pool:
+        libs = [pool.submit(build, shard, shard_target) for shard, shard_target in work]
+        return [(shard, lib.result()) for (shard, _), lib in zip(work, libs)]
 
 
 def build_kernels(mod: tvm.IRModule, target: tvm.target.Target, jit: bool, threads: int = 0):
-    """Return the runtime module of the kernels (PrimFuncs) in `mod` for `target`: with `jit`, built
-    and JIT-compiled on `threads` threads (0: one per core); without, as one module on this thread
-    (its machine code is made when it is exported)."""
+    """Return the runtime module of the kernels (PrimFuncs) in `mod` for `target`, built on
+    `threads` threads (0: one per core); with `jit`, its machine code made now (else when it is
+    exported: hold LLVM_OPTIONS while exporting it)."""
     if target.kind.name != "llvm":
         return tvm.tirx.build(mod, target=target)
-    if not jit:  # its machine code is made when it is exported, on one thread
-        return tvm.tirx.build(mod, target=target, pipeline=PIPELINE)
     libs = [lib for _, lib in _build_shards(mod, target, jit, threads)]
     for lib in libs[1:]:
         libs[0].import_module(lib)
