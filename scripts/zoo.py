@@ -15,8 +15,8 @@ float noise (an attention key bias) would part CPU and ratex by lr a step.
 
 One row per model and mode:
 
-  status    pass      losses and final parameters match CPU (rtol 1e-4, atol 1e-5), nothing
-                      ran on CPU PyTorch
+  status    pass      losses, final parameters and buffers (BatchNorm's running statistics)
+                      match CPU (rtol 1e-4, atol 1e-5), nothing ran on CPU PyTorch
             fallback  they match, but some `aten::<op>` counter moved (an op ran on CPU)
             fail      a mismatch or an exception (`error` says which)
   fallbacks the `aten::<op>` counters that moved
@@ -296,6 +296,13 @@ def convnext():
                                                              image_size=IMAGE, drop_path_rate=0.0))
 
 
+def resnet():
+    """Bottleneck blocks with BatchNorm (running statistics updated in training)."""
+    t = _tf()
+    return t.ResNetForImageClassification(t.ResNetConfig(num_channels=3, embedding_size=8, hidden_sizes=[8, 16],
+                                                         depths=[1, 1], layer_type="bottleneck", num_labels=CLASSES))
+
+
 MELS, FRAMES = 8, 16  # Whisper's two conv1d layers halve the frames: 8 encoder positions
 
 
@@ -379,7 +386,7 @@ MODELS = {
     "qwen3": (qwen3, _text_batches), "debertav2": (debertav2, _text_batches),
     "mobilebert": (mobilebert, _text_batches), "convbert": (convbert, _text_batches),
     "swin": (swin, _image_batches), "convnext": (convnext, _image_batches),
-    "wav2vec2": (wav2vec2, _audio_batches),
+    "wav2vec2": (wav2vec2, _audio_batches), "resnet": (resnet, _image_batches),
 }
 
 
@@ -481,15 +488,18 @@ def check(name, mode) -> dict:
     if notes:
         row["warnings"] = notes
     loss_excess = max(abs(g - w) / (ATOL + RTOL * abs(w)) for g, w in zip(got, want))
-    params = dict(ref.named_parameters(remove_duplicate=False))
-    excess, where = _worst(dict(getattr(trained, "original_module", trained).named_parameters(remove_duplicate=False)),
-                           params)
+    # parameters and buffers (BatchNorm's running statistics, its batch count)
+    trained = getattr(trained, "original_module", trained)
+    want_state = {**dict(ref.named_parameters(remove_duplicate=False)), **dict(ref.named_buffers(remove_duplicate=False))}
+    got_state = {**dict(trained.named_parameters(remove_duplicate=False)),
+                 **dict(trained.named_buffers(remove_duplicate=False))}
+    excess, where = _worst(got_state, want_state)
     row["losses"] = [round(x, 6) for x in got]
     row["worst"] = f"{excess:.3g} x tolerance ({where})"
     if not loss_excess <= 1:
         row["error"] = f"losses {row['losses']}, CPU's {[round(x, 6) for x in want]}"
     elif not excess <= 1:
-        row["error"] = f"parameter {where} off by {excess:.3g} x the tolerance after {STEPS} steps"
+        row["error"] = f"{where} off by {excess:.3g} x the tolerance after {STEPS} steps"
     else:
         row["status"] = "fallback" if row["fallbacks"] else "pass"
     return row
