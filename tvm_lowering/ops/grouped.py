@@ -75,6 +75,10 @@ def _contraction_te(a, b, groups, n_groups, acc, host):
     def gen(ins, outs):
         A, B, G = (T.buffer_proxy(x) for x in ins)
         out = T.buffer_proxy(outs[0])
+
+        def add(m, s, n):
+            out[G[s], m, n] = out[G[s], m, n] + A[m, s].astype(acc) * B[s, n].astype(acc)
+
         with IRBuilder() as ib:
             if host:
                 with T.parallel(0, M) as m:
@@ -85,7 +89,7 @@ def _contraction_te(a, b, groups, n_groups, acc, host):
                         with T.If(G[s] < E):
                             with T.Then():
                                 with T.serial(0, N) as n:
-                                    out[G[s], m, n] = out[G[s], m, n] + A[m, s].astype(acc) * B[s, n].astype(acc)
+                                    add(m, s, n)
             else:
                 bx, tx = te.thread_axis("blockIdx.x"), te.thread_axis("threadIdx.x")
                 with T.attr(bx, "thread_extent", math.ceil(M * N / _GPU_THREADS)):
@@ -99,7 +103,7 @@ def _contraction_te(a, b, groups, n_groups, acc, host):
                                 with T.serial(0, S) as s:
                                     with T.If(G[s] < E):
                                         with T.Then():
-                                            out[G[s], m, n] = out[G[s], m, n] + A[m, s].astype(acc) * B[s, n].astype(acc)
+                                            add(m, s, n)
             return ib.get()
 
     return te.extern([(E, M, N)], [a, b, groups], gen, dtype=acc, name="grouped_mm_contraction")
@@ -150,19 +154,20 @@ def contraction_by_group(imp, a, b, offs, dt):
     return to_dtype(imp, out, dt)
 
 
-def _check(what, a, b, offs, layouts):
-    """Raise ValueError unless a, b (one float dtype) and offs (1-D int32/int64) fit one of
-    `layouts`, (a dims, b dims) pairs, with a contraction dim that matches."""
+def _check(what, a, b, offs, layouts, names=("mat_a", "mat_b")):
+    """Raise ValueError unless a, b (one float dtype; `names` in the messages) and offs (1-D
+    int32/int64) fit one of `layouts`, (a dims, b dims) pairs, with a contraction dim that matches."""
     dims = (len(shape(a)), len(shape(b)))
+    x, y = names
     if dims not in layouts:
-        raise ValueError(f"{what}: mat_a of shape {shape(a)} and mat_b of shape {shape(b)}; the layouts lowered "
-                         f"are {', '.join(f'{x}D x {y}D' for x, y in layouts)}")
+        raise ValueError(f"{what}: {x} of shape {shape(a)} and {y} of shape {shape(b)}; the layouts lowered "
+                         f"are {', '.join(f'{i}D x {j}D' for i, j in layouts)}")
     if dtype(a) not in _FLOATS or dtype(b) != dtype(a):
-        raise ValueError(f"{what}: mat_a is {dtype(a)} and mat_b {dtype(b)}; both must be one of {', '.join(_FLOATS)}")
+        raise ValueError(f"{what}: {x} is {dtype(a)} and {y} {dtype(b)}; both must be one of {', '.join(_FLOATS)}")
     if shape(a)[-1] != shape(b)[-2]:
-        raise ValueError(f"{what}: the contraction dims differ: mat_a {shape(a)}, mat_b {shape(b)}")
+        raise ValueError(f"{what}: the contraction dims differ: {x} {shape(a)}, {y} {shape(b)}")
     if offs is not None and (len(shape(offs)) != 1 or dtype(offs) not in ("int32", "int64")):
-        raise ValueError(f"{what}: offs is {dtype(offs)} of shape {shape(offs)}; it must be a 1-D int32 or int64 tensor")
+        raise ValueError(f"{what}: offs is {dtype(offs)} of shape {shape(offs)}; it must be 1-D int32 or int64")
 
 
 # ---- rules ------------------------------------------------------------------------------------
@@ -199,7 +204,7 @@ def _transposed(imp, x):
 def grouped_mm_fallback(imp, node):
     """transformers::grouped_mm_fallback(input (S, K), weight (E, K, N), offs): _grouped_mm's 2D x 3D."""
     x, w, offs = (env(imp, v) for v in node.args[:3])
-    _check("grouped_mm_fallback", x, w, offs, [(2, 3)])
+    _check("grouped_mm_fallback", x, w, offs, [(2, 3)], ("input", "weight"))
     return rows_by_group(imp, x, w, offs, dtype(x))
 
 
@@ -209,7 +214,7 @@ def grouped_mm_fallback_backward(imp, node):
     (grad_input, grad_weight): grad_output @ weight[group]^T by rows, and input^T @ grad_output
     per group (the 2D x 2D layout)."""
     x, w, offs, g = (env(imp, v) for v in node.args[:4])
-    _check("grouped_mm_fallback_backward", x, w, offs, [(2, 3)])
+    _check("grouped_mm_fallback_backward", x, w, offs, [(2, 3)], ("input", "weight"))
     dt = dtype(x)
     grad_input = rows_by_group(imp, g, _transposed(imp, w), offs, dt)
     grad_weight = contraction_by_group(imp, _transposed(imp, x), g, offs, dt)
