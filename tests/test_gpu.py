@@ -152,6 +152,19 @@ def test_every_kernel_of_a_cuda_build_binds_gpu_threads(dev, build_for_cuda):
     build_for_cuda(mod)
 
 
+def test_grouped_mm_and_its_gradients_build_for_cuda(dev, build_for_cuda):
+    """A mixture-of-experts layer's grouped products: the rows' kernel (TE, scheduled by dlight)
+    and the weight gradient's, whose loops ops/grouped.py binds to GPU threads itself."""
+    offs = torch.tensor([3, 3, 7], dtype=torch.int32).to(dev)
+    a, w = torch.randn(10, 8).to(dev).requires_grad_(), torch.randn(3, 8, 4).to(dev).requires_grad_()
+    torch._grouped_mm(a, w, offs=offs).backward(torch.randn(10, 4).to(dev))
+    step = graph.cut([st.value for st in sync.pending_storages()])
+    assert [n.op.__name__ for n in step.nodes].count("_grouped_mm.default") == 2  # the gradients (no output kept)
+    mod = tvm_lowering.import_graph(graph.to_fx(step), library=False, host_kernels=False)
+    lm.mark_step()
+    build_for_cuda(mod)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_half_precision_powers_and_floor_division_build_for_cuda(dev, dtype, build_for_cuda):
     """Kernels written as lambdas were named `<lambda>`, which CUDA source cannot name: NVRTC

@@ -54,7 +54,7 @@ def _run(op, spec, in_metas):
     if _takes_device(op):
         kwargs["device"] = "meta"
     try:
-        out = op(*args, **kwargs)
+        out = _OWN.get(id(op), op)(*args, **kwargs)
     except (NotImplementedError, torch._subclasses.fake_tensor.DynamicOutputShapeException) as exc:
         return NoMeta(str(exc))
     except RuntimeError as exc:
@@ -91,6 +91,47 @@ def _batch_norm_stats_dtype(out, args):
     dt = torch.float32 if any(p.dtype == torch.float32 for p in params) else x.dtype
     return type(out)(o.to(dt) if i in (1, 2) and o is not None and o.dtype == torch.float32 else o
                      for i, o in enumerate(out))
+
+
+def _grouped_mm(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
+    """The output of aten._grouped_mm as its CPU kernel gives it, for operands of any one float
+    dtype: torch's meta function, written for CUDA's kernel, wants bfloat16. Its other checks
+    stay but one: the kernels' operands need no 16-byte aligned strides (a lazy tensor's strides
+    are not its memory's: `x.to("lazy")` of a column-major x is row major). The contraction dims
+    must match in the 2D x 2D layout too, where the CPU kernel reads past a shorter one."""
+    def check(ok, msg):
+        torch._check(ok, lambda: f"_grouped_mm: {msg}")
+
+    dims = mat_a.dim(), mat_b.dim()
+    check(set(dims) <= {2, 3}, f"mat_a and mat_b must be 2D or 3D, got {dims[0]}D and {dims[1]}D")
+    floats = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+    check(mat_a.dtype in floats and mat_b.dtype == mat_a.dtype,
+          f"mat_a and mat_b must be of one float dtype, got {mat_a.dtype} and {mat_b.dtype}")
+    check(mat_a.size(-1) == mat_b.size(-2),
+          f"the contraction dims of mat_a {tuple(mat_a.shape)} and mat_b {tuple(mat_b.shape)} differ")
+    if dims == (3, 3):
+        check(offs is None, "offs is given for 3D x 3D operands, which need none")
+        check(mat_a.size(0) == mat_b.size(0), f"mat_a has {mat_a.size(0)} matrices and mat_b {mat_b.size(0)}")
+    else:
+        check(offs is not None, f"offs is needed for {dims[0]}D x {dims[1]}D operands")
+        check(offs.dim() == 1 and offs.dtype == torch.int32,
+              f"offs must be a 1D int32 tensor, got a {offs.dim()}D {offs.dtype} one")
+        if dims != (2, 2):
+            groups = (mat_b if dims == (2, 3) else mat_a).size(0)
+            check(offs.size(0) == groups, f"offs has {offs.size(0)} groups and the 3D operand {groups} matrices")
+    check(bias is None, "a bias is not supported")
+    check(out_dtype in (None, mat_a.dtype), f"out_dtype {out_dtype} must be mat_a's dtype {mat_a.dtype}")
+    if dims == (2, 2):
+        size = (offs.size(0), mat_a.size(0), mat_b.size(1))
+    elif dims == (3, 2):
+        size = (mat_a.size(1), mat_b.size(1))
+    else:  # 2D x 3D: (S, N); 3D x 3D: (E, M, N)
+        size = (*mat_a.shape[:-1], mat_b.size(-1))
+    return mat_a.new_empty(size)
+
+
+# Ops whose outputs come from these functions instead of their meta kernels.
+_OWN = {id(_aten._grouped_mm.default): _grouped_mm}
 
 
 def _pack(outs, kind):

@@ -18,6 +18,7 @@ every rule that reads or writes at indices held in a tensor:
   backward     the backward ops autograd emits
   special      the error-function family (erfc, erfcx, erfinv, ndtri)
   gamma        the gamma family (lgamma, digamma, polygamma, zeta) and Bessel I0/I1
+  grouped      grouped matrix products (mixture-of-experts layers), transformers' fallback op included
   random       counter-based random bits and dropout's keep mask
   script       calls of converted TorchScript forwards and backwards
   library      matmul, convolution and friends as calls of the `ratex.lib.*` kernels
@@ -26,4 +27,4 @@ from .registry import RULES, SCRIPT_RULES, TIR_RULES, rule  # noqa: F401  (the t
 
 # Imported for their registrations; library comes last: its rules wrap the ones registered before it.
 from . import (elementwise, reductions, nn, pooling, indexing, views, creation, backward,  # noqa: F401
-               special, gamma, random, script, library)
+               special, gamma, grouped, random, script, library)
