@@ -69,3 +69,50 @@ def test_sums_of_small_products_and_bias_sums_join_into_one_each():
     got = vm["main"](*[tvm.runtime.tensor(a) for a in dgs + hs + big])
     for g, w in zip(got, _expected(dgs, hs, big)):
         np.testing.assert_allclose(g.numpy(), w, rtol=1e-5, atol=1e-5)
+
+
+def _sliced_grads():
+    """What relax Gradient emits for tensors read in slices: sums of zero pads. `steps`: unit
+    slices of a (STEPS, BATCH, GATES) tensor, each a reshape of a (BATCH, GATES) gradient
+    (an RNN's input projection); `gates`: four column blocks of a (BATCH, GATES) tensor, one
+    left out (zeros there); `overlap`: two pads whose slices overlap, left as they are."""
+    bb = relax.BlockBuilder()
+    gs = [relax.Var(f"g{t}", relax.TensorType((BATCH, GATES), "float32")) for t in range(STEPS)]
+    quarter = GATES // 4
+    qs = [relax.Var(f"q{k}", relax.TensorType((BATCH, quarter), "float32")) for k in range(3)]
+    with bb.function("main", [*gs, *qs]):
+        with bb.dataflow():
+            steps = None
+            for t, g in enumerate(gs):
+                unit = bb.emit(relax.op.reshape(g, (1, BATCH, GATES)))
+                term = bb.emit(relax.op.nn.pad(unit, [t, STEPS - 1 - t, 0, 0, 0, 0]))
+                steps = term if steps is None else bb.emit(relax.op.add(steps, term))
+            gates = None
+            for k, q in zip((0, 1, 3), qs):  # the third block has no gradient
+                term = bb.emit(relax.op.nn.pad(q, [0, 0, k * quarter, GATES - (k + 1) * quarter]))
+                gates = term if gates is None else bb.emit(relax.op.add(gates, term))
+            a = bb.emit(relax.op.nn.pad(qs[0], [0, 0, 0, GATES - quarter]))
+            b = bb.emit(relax.op.nn.pad(qs[1], [0, 0, 1, GATES - quarter - 1]))  # overlaps a
+            overlap = bb.emit(relax.op.add(a, b))
+            out = bb.emit_output(relax.Tuple([steps, gates, overlap]))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def test_sums_of_disjoint_zero_pads_become_a_stack_and_a_concatenation():
+    mod = _sliced_grads()
+    joined = tvm.transform.Sequential([join_sums, relax.transform.DeadCodeElimination()])(mod)
+    assert _calls(mod, "nn.pad") == STEPS + 3 + 2 and _calls(joined, "nn.pad") == 2  # the overlapping pair
+    assert _calls(joined, "stack") == 1 and _calls(joined, "concat") == 1
+    rng = np.random.default_rng(0)
+    gs = [rng.standard_normal((BATCH, GATES)).astype("float32") for _ in range(STEPS)]
+    qs = [rng.standard_normal((BATCH, GATES // 4)).astype("float32") for _ in range(3)]
+    zeros = np.zeros_like(qs[0])
+    shifted = np.zeros((BATCH, GATES), "float32")
+    shifted[:, 1:1 + GATES // 4] = qs[1]
+    shifted[:, :GATES // 4] += qs[0]
+    want = [np.stack(gs), np.concatenate([qs[0], qs[1], zeros, qs[2]], axis=1), shifted]
+    vm = relax.VirtualMachine(build(joined, resolve_target("CPU")), tvm.cpu())
+    got = vm["main"](*[tvm.runtime.tensor(a) for a in gs + qs])
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g.numpy(), w)

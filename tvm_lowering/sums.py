@@ -11,6 +11,13 @@ contracted axis:
 
 and a sum of collapse_sum_to over a leading axis is one collapse_sum_to of the concatenation
 (the RNN's bias gradient). The rewrite is exact up to the order of the float additions.
+
+The gradient of a tensor read in slices (an RNN's input projection, one slice per time step;
+an LSTM's gates, four slices of one product) is a sum of the slices' gradients padded with
+zeros to the tensor's shape. Where the pads are along one axis and do not overlap, that sum is
+the concatenation of the slices' gradients (zeros between them): exact, and one copy where
+the sum read every pad at every element. Unit slices of a tensor of one axis fewer (a time
+step's) are stacked.
 Products are joined where they are outer-product-like (their operands, which the join copies,
 are no larger than the result, whose adds it saves); a term whose value is read elsewhere too
 stays as it is.
@@ -24,6 +31,8 @@ _ADD = tvm.ir.Op.get("relax.add")
 _MATMUL = tvm.ir.Op.get("relax.matmul")
 _COLLAPSE = tvm.ir.Op.get("relax.collapse_sum_to")
 _PERMUTE = tvm.ir.Op.get("relax.permute_dims")
+_PAD = tvm.ir.Op.get("relax.nn.pad")
+_UNIT_AXIS = (tvm.ir.Op.get("relax.reshape"), tvm.ir.Op.get("relax.expand_dims"))
 
 
 def _count_uses(expr, uses):
@@ -137,8 +146,10 @@ class _JoinSums(relax.PyExprMutator):
         terms = self._terms(call, [])
         products = [(t, v) for t, v in terms if self._joinable_product(v)]
         collapses = [(t, v) for t, v in terms if self._joinable_collapse(v)]
+        pads = _disjoint_pads(terms)
         joined, taken = [], set()
-        for group, join in ((products, self._join_products), (collapses, self._join_collapses)):
+        for group, join in ((products, self._join_products), (collapses, self._join_collapses),
+                            (pads, self._join_pads)):
             if len(group) >= 2:
                 joined.append(join([v for _, v in group]))
                 taken.update(id(t) for t, _ in group)
@@ -189,9 +200,70 @@ class _JoinSums(relax.PyExprMutator):
         b = self._side([p.args[1] for p in products], 0)
         return self.builder_.emit(relax.op.matmul(a, b, out_dtype=products[0].attrs.out_dtype))
 
+    def _join_pads(self, pads):
+        """The sum of zero pads (_disjoint_pads) as the concatenation of what they pad, zeros
+        between; a stack where every piece is one step of the axis, made from a tensor without it."""
+        axis, size = _pad_axis(pads[0]), _static(pads[0].ty)
+        pieces, at = [], 0
+        for pad in sorted(pads, key=lambda p: int(p.attrs.pad_width[2 * axis])):
+            begin = int(pad.attrs.pad_width[2 * axis])
+            if begin > at:
+                pieces.append(size[:axis] + [begin - at] + size[axis + 1:])
+            pieces.append(pad.args[0])
+            at = begin + _static(pad.args[0].ty)[axis]
+        if at < size[axis]:
+            pieces.append(size[:axis] + [size[axis] - at] + size[axis + 1:])
+        dtype = pads[0].ty.dtype
+        sources = [self._unit_source(p, axis) if isinstance(p, relax.Expr) else None for p in pieces]
+        if all(x is not None for x in sources):
+            return self.builder_.emit(relax.op.stack(relax.Tuple(sources), axis))
+        return self.builder_.emit(relax.op.concat(relax.Tuple(
+            [p if isinstance(p, relax.Expr) else relax.op.zeros(p, dtype) for p in pieces]), axis))
+
+    def _unit_source(self, piece, axis):
+        """The tensor that `piece` (one step of `axis`) is a reshape or expand_dims of, where that
+        tensor's shape is the piece's without the axis; else None."""
+        shape = _static(piece.ty)
+        if shape is None or shape[axis] != 1:
+            return None
+        value = self.lookup_binding(self._root(piece)) if isinstance(piece, relax.Var) else None
+        if not isinstance(value, relax.Call) or not any(value.op.same_as(op) for op in _UNIT_AXIS):
+            return None
+        source = value.args[0]
+        return source if _static(source.ty) == shape[:axis] + shape[axis + 1:] else None
+
     def _join_collapses(self, collapses):
         joined = self._concat([self._root(c.args[0]) for c in collapses], 0)
         return self.builder_.emit(relax.op.collapse_sum_to(joined, collapses[0].args[1]))
+
+
+def _pad_axis(pad) -> int:
+    """The one axis that zero pad `pad` pads (both its widths may be zero), or -1 where it pads
+    several or is not a zero pad of a static shape."""
+    if not isinstance(pad, relax.Call) or not pad.op.same_as(_PAD) or pad.attrs.pad_mode != "constant":
+        return -1
+    if pad.attrs.pad_value != 0.0 or _static(pad.ty) is None or _static(pad.args[0].ty) is None:
+        return -1
+    widths = [int(w) for w in pad.attrs.pad_width]
+    if any(w < 0 for w in widths):
+        return -1
+    padded = [k for k in range(len(widths) // 2) if widths[2 * k] or widths[2 * k + 1]]
+    return padded[0] if len(padded) == 1 else (0 if not padded else -1)
+
+
+def _disjoint_pads(terms) -> list:
+    """The (term, value) pairs of `terms` that are zero pads along one and the same axis whose
+    padded slices do not overlap; [] where there are not two such."""
+    pads = [(t, v) for t, v in terms if _pad_axis(v) >= 0]
+    axes = {_pad_axis(v) for _, v in pads}
+    if len(pads) < 2 or len(axes) != 1:
+        return []
+    axis = axes.pop()
+    spans = sorted((int(v.attrs.pad_width[2 * axis]), _static(v.args[0].ty)[axis]) for _, v in pads)
+    if any(begin + length > after for (begin, length), (after, _) in zip(spans, spans[1:])):
+        return []
+    dtype = {str(v.ty.dtype) for _, v in pads} | {str(v.args[0].ty.dtype) for _, v in pads}
+    return pads if len(dtype) == 1 else []
 
 
 def _inner_sums(func, uses) -> set:
