@@ -16,7 +16,7 @@ from typing import Callable, Mapping, Optional
 
 import tvm
 
-from . import fastmath, pool_grad
+from . import concat, fastmath, pool_grad
 from .library_dispatch import AUTO_MIN_MACS
 from .schedules import cpu_schedule
 
@@ -121,8 +121,9 @@ def _cpu(arch: Optional[str]) -> Target:
         tvm=tvm.target.Target({"kind": "llvm", "mcpu": arch or _host_cpu(), **fast_math, **no_if_conversion}),
         runtime_device=tvm.cpu,
         pipeline="tvm.relax.backend.cpu_generic.pipeline",
-        # relu that keeps NaN, exp that vectorizes, max-pool gradients as a gather (fastmath.py, pool_grad.py)
-        legalize={**fastmath.LEGALIZE, **pool_grad.LEGALIZE},
+        # relu that keeps NaN, exp that vectorizes, max-pool gradients as a gather, concatenations
+        # of many tensors as copies (fastmath.py, pool_grad.py, concat.py)
+        legalize={**fastmath.LEGALIZE, **pool_grad.LEGALIZE, **concat.LEGALIZE},
         schedule=cpu_schedule,
         tunable=True,
         host_kernels=True,
