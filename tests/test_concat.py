@@ -56,3 +56,23 @@ def test_few_tensors_keep_tvms_kernel_which_fuses():
     assert len(kernels) == 1 and "copies" not in next(iter(kernels))  # the concat fused with the multiply
     xs = [torch.randn(shape) for shape in shapes]
     torch.testing.assert_close(_run(_module(shapes, "concat", 0, scale=True), xs), torch.cat(xs) * 2)
+
+
+@pytest.mark.parametrize("axis", [0, 1, -1])
+def test_a_split_into_many_parts_is_copied_out(axis):
+    many, shape = concat.MANY + 1, [3, 4, 5]
+    shape[axis] = many * 2
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType(shape, "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            parts = bb.emit(relax.op.split(x, many, axis=axis))
+            out = bb.emit_output(relax.Tuple([relax.TupleGetItem(parts, k) for k in range(many)]))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    xt = torch.randn(shape)
+    got = relax.VirtualMachine(build(mod, CPU), tvm.cpu())["main"](xt)
+    for g, w in zip(got, torch.chunk(xt, many, axis)):
+        torch.testing.assert_close(torch.from_dlpack(g), w, rtol=0, atol=0)
+    kernels = _kernels(mod)
+    assert list(kernels) == [next(name for name in kernels if name.startswith("split_copies"))]
