@@ -125,6 +125,13 @@ def llvm_options(target: tvm.target.Target):
     return LLVM_OPTIONS if target.kind.name == "llvm" and target.attrs.get("cl-opt") else contextlib.nullcontext()
 
 
+def virtual_machine(executable, device) -> relax.VirtualMachine:
+    """A VM of `executable` on `device`. Making one looks up every kernel, and a lookup in a
+    JIT-compiled module of a target with LLVM options sets and resets them as a build does."""
+    with LLVM_OPTIONS:
+        return relax.VirtualMachine(executable, device)
+
+
 def _without_options(target: tvm.target.Target) -> tvm.target.Target:
     return tvm.target.Target({k: v for k, v in target.export().items() if k != "cl-opt"})
 

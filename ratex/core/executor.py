@@ -7,11 +7,10 @@ import time
 
 import torch
 import tvm
-from tvm import relax
 
 import tvm_lowering
 from tvm_lowering.cuda_graph import GRAPH_INPUTS
-from tvm_lowering import disk_cache
+from tvm_lowering import codegen, disk_cache
 from .. import config, process
 from ..version import __version__
 from . import kernels  # noqa: F401  (registers the ratex.lib.* kernel library)
@@ -44,7 +43,7 @@ class Program:
         """`executable`: a VMExecutable, or a runtime module loaded from the disk cache (mod None).
 
         `constant`: outputs computed from no input (see `constant_roots`)."""
-        self.vm = relax.VirtualMachine(executable, device)
+        self.vm = codegen.virtual_machine(executable, device)
         self.fn = self.vm["main"]
         self.mod = mod
         self.executable = executable
@@ -98,7 +97,7 @@ class Program:
         fresh VM captures the graphs anew."""
         at = tuple(inputs[k].data_ptr() for k in self.graph_inputs)
         if self._graph_at is not None and at != self._graph_at:
-            self.vm = relax.VirtualMachine(self.executable, self.device)
+            self.vm = codegen.virtual_machine(self.executable, self.device)
             self.fn = self.vm["main"]
             metrics.counter_inc("CudaGraphRecapture")
         self._graph_at = at

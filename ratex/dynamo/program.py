@@ -19,9 +19,9 @@ import time
 import torch
 from torch import fx
 from torch.multiprocessing.reductions import StorageWeakRef
-from tvm import relax
 
 import tvm_lowering
+from tvm_lowering import codegen
 from tvm_lowering.ops.bounds import SITE
 from . import adapter, graphs, partition
 
@@ -246,7 +246,7 @@ class CompiledGraph:
         key = ("dynamo", kind, arch, donate, graphs.graph_key(sub))
         lib = self._program(sub, key, kind, arch, donate, back, len(nodes))
         dev = _device(kind, index)
-        fn = relax.VirtualMachine(lib, dev)["main"]
+        fn = codegen.virtual_machine(lib, dev)["main"]
         host = ((), (), None)
         if kind == "GPU":
             on_host = lambda n: n.meta.get("ratex_seed") or n.meta["val"].device.type == "cpu"  # noqa: E731
