@@ -165,6 +165,26 @@ def test_grouped_mm_and_its_gradients_build_for_cuda(dev, build_for_cuda):
     build_for_cuda(mod)
 
 
+def test_lstm_training_step_builds_for_cuda(dev, build_for_cuda):
+    """An unrolled LSTM: its input projection's gradient, a sum of one zero pad per time step,
+    becomes a stack (sums.py), and its time-step stacks and splits, which the CPU target copies
+    (concat.py), stay TVM's kernels on the GPU, each binding GPU threads."""
+    from tvm_lowering import pipeline
+
+    lstm = torch.nn.LSTM(8, 8, batch_first=True).to(dev)
+    lstm(torch.randn(2, 9, 8).to(dev))[0].sum().backward()
+    step = graph.cut([st.value for st in sync.pending_storages()])
+    mod = tvm_lowering.import_graph(graph.to_fx(step), library=False)
+    lm.mark_step()
+    target = tvm_lowering.resolve_target("GPU", "sm_90")
+    with target.tvm:
+        lowered = tvm.transform.Sequential(pipeline._passes(target, tvm_lowering.Options()))(mod)
+    kernels = {gv.name_hint: str(f) for gv, f in lowered.functions.items() if isinstance(f, tvm.tirx.PrimFunc)}
+    assert any("stack" in name for name in kernels) and not any("copies" in name for name in kernels), sorted(kernels)
+    assert [name for name, text in kernels.items() if "T.thread_binding" not in text] == []
+    build_for_cuda(mod)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_half_precision_powers_and_floor_division_build_for_cuda(dev, dtype, build_for_cuda):
     """Kernels written as lambdas were named `<lambda>`, which CUDA source cannot name: NVRTC
