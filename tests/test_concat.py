@@ -76,3 +76,18 @@ def test_a_split_into_many_parts_is_copied_out(axis):
         torch.testing.assert_close(torch.from_dlpack(g), w, rtol=0, atol=0)
     kernels = _kernels(mod)
     assert list(kernels) == [next(name for name in kernels if name.startswith("split_copies"))]
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.int64, torch.float16, torch.bfloat16], ids=str)
+def test_copies_of_other_dtypes(dtype):
+    many = concat.MANY
+    xs = [(torch.randn(2, 3) > 0).to(dtype) for _ in range(many)]
+    bb = relax.BlockBuilder()
+    vs = [relax.Var(f"x{k}", relax.TensorType((2, 3), str(dtype).split(".")[1])) for k in range(many)]
+    with bb.function("main", vs):
+        with bb.dataflow():
+            out = bb.emit_output(relax.op.stack(relax.Tuple(vs), axis=1))
+        bb.emit_func_output(out)
+    assert torch.equal(_run(bb.get(), xs), torch.stack(xs, 1))
+    copied = any(name.startswith("stack_copies") for name in _kernels(bb.get()))
+    assert copied == (dtype != torch.bfloat16)  # bfloat16 keeps TVM's kernel (concat._COPYABLE)

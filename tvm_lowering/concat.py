@@ -33,7 +33,17 @@ def _static_fields(call):
         return None
     if len({str(t.dtype) for t in types}) != 1 or len({len(t.shape.values) for t in types}) != 1:
         return None
-    return list(fields.fields)
+    return list(fields.fields) if _copyable(types[0].dtype) else None
+
+
+# dtypes whose buffers keep their type through TVM's CPU lowering (bfloat16 and the float8s are
+# stored as integers there, which a typed pointer to them then contradicts) and are whole bytes
+_COPYABLE = {"bool", "float16", "float32", "float64", *(f"{s}int{b}" for s in ("", "u") for b in (8, 16, 32, 64))}
+
+
+def _copyable(dtype) -> bool:
+    """Whether `dtype`'s tensors are copied (else TVM's kernel is kept)."""
+    return str(dtype) in _COPYABLE
 
 
 def _rows(dst, dst_start, dst_stride, src, src_start, src_stride, rows, width, dtype):
@@ -101,7 +111,7 @@ def _split(bb, call):
     x, out_types = call.args[0], call.ty.fields if isinstance(call.ty, relax.TupleType) else []
     shapes = [getattr(t.shape, "values", None) if isinstance(t, relax.TensorType) else None for t in out_types]
     in_shape = getattr(x.ty.shape, "values", None) if isinstance(x.ty, relax.TensorType) else None
-    if len(shapes) < MANY or in_shape is None or any(s is None for s in shapes) or not all(
+    if len(shapes) < MANY or in_shape is None or not _copyable(x.ty.dtype) or any(s is None for s in shapes) or not all(
             isinstance(v, tirx.IntImm) for v in [*in_shape, *(v for s in shapes for v in s)]):
         return call.op.get_attr("FLegalize")(bb, call)
     in_shape = [int(v) for v in in_shape]

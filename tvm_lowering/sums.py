@@ -230,6 +230,8 @@ class _JoinSums(relax.PyExprMutator):
         if not isinstance(value, relax.Call) or not any(value.op.same_as(op) for op in _UNIT_AXIS):
             return None
         source = value.args[0]
+        if isinstance(source, relax.DataflowVar) and not isinstance(self._root(piece), relax.DataflowVar):
+            return None  # the piece comes from an earlier block, where its source stays
         return source if _static(source.ty) == shape[:axis] + shape[axis + 1:] else None
 
     def _join_collapses(self, collapses):
