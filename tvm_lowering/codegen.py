@@ -157,9 +157,9 @@ def _build_shards(mod: tvm.IRModule, target: tvm.target.Target, jit: bool, threa
     count = threads or cores()
     work = []
     if target.attrs.get("cl-opt"):
-        # A slice_scatter built without the CPU target's -enable-if-conversion=false (a build on
-        # another thread had put it back mid-build) read the wrong elements: a tiny GPT-J
-        # trained to NaN about every other time (targets.py).
+        # A branching kernel built while another build puts the CPU target's
+        # -enable-if-conversion=false back can read the wrong elements (a rotary slice_scatter
+        # does: targets.py), so the branching ones build with it, under LLVM_OPTIONS.
         branching = {gv: f for gv, f in mod.functions.items() if _branching(f)}
         if branching:
             work.append((tvm.IRModule(branching, attrs=mod.attrs), target))

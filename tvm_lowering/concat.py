@@ -69,7 +69,7 @@ def _copies(inputs, out_shape, runs, name):
         for x, (rows, width, start, stride) in zip(ins, runs):
             if rows * width:
                 nests.append(_rows(outs[0], start, stride, x, 0, width, rows, width, dtype))
-        return tirx.SeqStmt(nests) if len(nests) > 1 else nests[0]
+        return tirx.SeqStmt(nests) if len(nests) > 1 else (nests[0] if nests else tirx.Evaluate(0))
 
     return te.extern([out_shape], list(inputs), gen, dtype=dtype, name=name)
 
@@ -130,7 +130,7 @@ def _split(bb, call):
             for out, (count, width, begin, stride) in zip(outs, runs):
                 if count * width:
                     nests.append(_rows(out, 0, width, ins[0], begin, stride, count, width, dtype))
-            return tirx.SeqStmt(nests) if len(nests) > 1 else nests[0]
+            return tirx.SeqStmt(nests) if len(nests) > 1 else (nests[0] if nests else tirx.Evaluate(0))
 
         return te.extern(shapes, [data], gen, dtype=[dtype] * len(shapes), name="split_copies")
 
