@@ -8,6 +8,7 @@ from . import codegen, cuda_graph, inplace, once
 from .legalize import legalize_ops
 from .library_dispatch import library_dispatch_pass
 from .simplify import drop_dead_bindings, expand_attention, fold_transposes
+from .slices import share_slices
 from .sums import join_sums
 from .targets import Options, Target, resolve_target  # noqa: F401  (resolve_target: imported from here too)
 
@@ -23,6 +24,7 @@ def _stages(target: Target, options: Options, donate=(), donated=None, kernel_pa
     if not target.fold_constants:
         legalize = [p for p in legalize if p.info.name != "FoldConstant"]
     legalize.insert(0, legalize_ops(target.legalize))
+    legalize.append(share_slices)  # after fusion: the slices left on their own (slices.py)
     if kernel_pass is not None:
         legalize.append(kernel_pass)
     if options.schedule and target.schedule is not None:

@@ -16,7 +16,7 @@ from typing import Callable, Mapping, Optional
 
 import tvm
 
-from . import concat, fastmath, pool_grad
+from . import concat, fastmath, pool_grad, slices
 from .library_dispatch import AUTO_MIN_MACS
 from .schedules import cpu_schedule
 
@@ -122,8 +122,9 @@ def _cpu(arch: Optional[str]) -> Target:
         runtime_device=tvm.cpu,
         pipeline="tvm.relax.backend.cpu_generic.pipeline",
         # relu that keeps NaN, exp that vectorizes, max-pool gradients as a gather, concatenations
-        # of many tensors as copies (fastmath.py, pool_grad.py, concat.py)
-        legalize={**fastmath.LEGALIZE, **pool_grad.LEGALIZE, **concat.LEGALIZE},
+        # of many tensors as copies, slices tagged to share a kernel across offsets (fastmath.py,
+        # pool_grad.py, concat.py, slices.py)
+        legalize={**fastmath.LEGALIZE, **pool_grad.LEGALIZE, **concat.LEGALIZE, **slices.LEGALIZE},
         schedule=cpu_schedule,
         tunable=True,
         host_kernels=True,
