@@ -129,24 +129,30 @@ class _Tokens(torch.nn.Module):
         return self.head(self.emb(ids))
 
 
-def test_every_kernel_of_a_cuda_build_binds_gpu_threads(dev, build_for_cuda):
-    """A kernel that binds no GPU thread is left on the host by TVM's build, where it runs on the
-    CPU through CUDA pointers (SIGSEGV): relax Gradient's take_backward, a scripted embedding's
-    gradient, was one; DefaultGPUSchedule puts it on the GPU (cuda_pipeline.py)."""
+def _pending_step_for_cuda():
+    """The pending step as a Relax module (nothing left pending), and its kernels through the
+    GPU pipeline's passes: name -> TIR text."""
     from tvm_lowering import pipeline
 
-    model = ratex.jit.script(_Tokens()).to(dev)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ids = torch.tensor([[1, 2, 2], [7, 0, 1]])
-    F.mse_loss(model(ids.to(dev)), torch.randn(2, 3, 3).to(dev)).backward()
-    opt.step()
     step = graph.cut([st.value for st in sync.pending_storages()])
     mod = tvm_lowering.import_graph(graph.to_fx(step), library=False)
     lm.mark_step()
     target = tvm_lowering.resolve_target("GPU", "sm_90")
     with target.tvm:
         lowered = tvm.transform.Sequential(pipeline._passes(target, tvm_lowering.Options()))(mod)
-    kernels = {gv.name_hint: str(f) for gv, f in lowered.functions.items() if isinstance(f, tvm.tirx.PrimFunc)}
+    return mod, {gv.name_hint: str(f) for gv, f in lowered.functions.items() if isinstance(f, tvm.tirx.PrimFunc)}
+
+
+def test_every_kernel_of_a_cuda_build_binds_gpu_threads(dev, build_for_cuda):
+    """A kernel that binds no GPU thread is left on the host by TVM's build, where it runs on the
+    CPU through CUDA pointers (SIGSEGV): relax Gradient's take_backward, a scripted embedding's
+    gradient, was one; DefaultGPUSchedule puts it on the GPU (cuda_pipeline.py)."""
+    model = ratex.jit.script(_Tokens()).to(dev)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ids = torch.tensor([[1, 2, 2], [7, 0, 1]])
+    F.mse_loss(model(ids.to(dev)), torch.randn(2, 3, 3).to(dev)).backward()
+    opt.step()
+    mod, kernels = _pending_step_for_cuda()
     assert any("take_backward" in name for name in kernels), sorted(kernels)
     assert [name for name, text in kernels.items() if "T.thread_binding" not in text] == []
     build_for_cuda(mod)
@@ -169,17 +175,9 @@ def test_lstm_training_step_builds_for_cuda(dev, build_for_cuda):
     """An unrolled LSTM: its input projection's gradient, a sum of one zero pad per time step,
     becomes a stack (sums.py), and its time-step stacks and splits, which the CPU target copies
     (concat.py), stay TVM's kernels on the GPU, each binding GPU threads."""
-    from tvm_lowering import pipeline
-
     lstm = torch.nn.LSTM(8, 8, batch_first=True).to(dev)
     lstm(torch.randn(2, 9, 8).to(dev))[0].sum().backward()
-    step = graph.cut([st.value for st in sync.pending_storages()])
-    mod = tvm_lowering.import_graph(graph.to_fx(step), library=False)
-    lm.mark_step()
-    target = tvm_lowering.resolve_target("GPU", "sm_90")
-    with target.tvm:
-        lowered = tvm.transform.Sequential(pipeline._passes(target, tvm_lowering.Options()))(mod)
-    kernels = {gv.name_hint: str(f) for gv, f in lowered.functions.items() if isinstance(f, tvm.tirx.PrimFunc)}
+    mod, kernels = _pending_step_for_cuda()
     assert any("stack" in name for name in kernels) and not any("copies" in name for name in kernels), sorted(kernels)
     assert [name for name, text in kernels.items() if "T.thread_binding" not in text] == []
     build_for_cuda(mod)

@@ -122,25 +122,27 @@ def _past_ends_zero(imp, x, groups, n_groups, axis):
     return emit(imp, relax.op.where(inside, x, relax.const(0, dtype(x))))
 
 
+def _each_its_group(imp, compute, a, b, offs, dt, out_shape, n_groups, positions, axis, name):
+    """`compute` (a, b, the groups of `positions` along output `axis`, acc) -> out of
+    `out_shape`, with zeros past the last group."""
+    if n_groups == 0:
+        return zeros(imp, out_shape, dt)
+    groups = _groups(imp, offs, positions)
+    out = emit_te(imp, compute, a, b, groups, _acc(dt), primfunc_name_hint=name)
+    return to_dtype(imp, _past_ends_zero(imp, out, groups, n_groups, axis), dt)
+
+
 def rows_by_group(imp, a, b, offs, dt):
     """2D x 3D: out (S, N), row s of a (S, K) times b[its group] of b (E, K, N)."""
     S, N, E = shape(a)[0], shape(b)[2], shape(b)[0]
-    if E == 0:
-        return zeros(imp, [S, N], dt)
-    groups = _groups(imp, offs, S)
-    out = emit_te(imp, _rows_te, a, b, groups, _acc(dt), primfunc_name_hint="grouped_mm_rows")
-    return to_dtype(imp, _past_ends_zero(imp, out, groups, E, 0), dt)
+    return _each_its_group(imp, _rows_te, a, b, offs, dt, [S, N], E, S, 0, "grouped_mm_rows")
 
 
 def columns_by_group(imp, a, b, offs, dt):
     """3D x 2D: out (M, N), column n of b (K, N) times a[its group] of a (E, M, K)."""
     E, M = shape(a)[:2]
     N = shape(b)[1]
-    if E == 0:
-        return zeros(imp, [M, N], dt)
-    groups = _groups(imp, offs, N)
-    out = emit_te(imp, _columns_te, a, b, groups, _acc(dt), primfunc_name_hint="grouped_mm_columns")
-    return to_dtype(imp, _past_ends_zero(imp, out, groups, E, 1), dt)
+    return _each_its_group(imp, _columns_te, a, b, offs, dt, [M, N], E, N, 1, "grouped_mm_columns")
 
 
 def contraction_by_group(imp, a, b, offs, dt):
