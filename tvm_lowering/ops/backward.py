@@ -10,7 +10,7 @@ from tvm import relax, te, tirx
 
 from .. import pool_grad
 from . import bounds
-from .kit import (arg, cast, dtype, emit, emit_te, env, nll_pick, out_meta, pair, pool_window, scalar, scatter_into,
+from .kit import (accumulation, arg, cast, dtype, emit, emit_te, env, nll_pick, out_meta, pair, pool_window, scalar, scatter_into,
                   shape, to_dtype, tuple_out, zeros)
 from .nn import CONV, conv_window, transposed_conv
 from .registry import rule
@@ -136,7 +136,7 @@ def _softmax_acc(imp, node):
     CPU kernel sums in float32 and rounds the gradient once (a bfloat16 sum over a vocabulary
     loses the small terms)."""
     g, y = env(imp, node.args[0]), env(imp, node.args[1])
-    acc = "float32" if dtype(g) in ("float16", "bfloat16") else dtype(g)
+    acc = accumulation(dtype(g))
     return cast(imp, g, acc), cast(imp, y, acc)
 
 
@@ -417,7 +417,7 @@ def native_layer_norm_backward(imp, node):
     mask = _mask(node, 7, "output_mask", 3)
     dts = [None if t is None else dtype(t) for t in (x, w, b)]
     # float16/bfloat16 in float32, each gradient rounded once (PyTorch's CPU kernel)
-    acc = "float32" if dtype(x) in ("float16", "bfloat16") else dtype(x)
+    acc = accumulation(dtype(x))
     go, x, mean, rstd, w = (None if t is None else cast(imp, t, acc) for t in (go, x, mean, rstd, w))
     nd, k = len(shape(x)), len(nshape)
     axes = list(range(nd - k, nd))
@@ -452,7 +452,7 @@ def weight_norm_backward(imp, node):
     if dim not in (0, nd - 1):  # ATen's kernel takes no other (weight_norm computes the rest unfused)
         raise NotImplementedError(f"_weight_norm_interface_backward over dim {dim} of a {nd}-d weight")
     dts = (dtype(v), dtype(g))
-    acc = "float32" if dtype(v) in ("float16", "bfloat16") else dtype(v)
+    acc = accumulation(dtype(v))
     gw, v, g, norms = (cast(imp, t, acc) for t in (gw, v, g, norms))
     s = emit(imp, op.sum(op.multiply(gw, v), axis=[d for d in range(nd) if d != dim], keepdims=True))
     gg = op.divide(s, norms)
@@ -475,7 +475,7 @@ def native_batch_norm_backward(imp, node):
     # float16/bfloat16 in float32, each gradient rounded once (PyTorch's CPU kernel); the saved
     # statistics may come in float32 beside a bfloat16 input
     dts = [dtype(x), dtype(w) if w is not None else None, dtype(w) if w is not None else None]
-    dt = "float32" if dtype(x) in ("float16", "bfloat16") else dtype(x)
+    dt = accumulation(dtype(x))
     go, x, w, rm, rv, save_mean, save_invstd = (None if t is None else cast(imp, t, dt)
                                                 for t in (go, x, w, rm, rv, save_mean, save_invstd))
     nd = len(shape(x))

@@ -22,16 +22,11 @@ from tvm import relax, te, tirx
 from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as T
 
-from .kit import arg, dtype, emit, emit_te, env, shape, to_dtype, tuple_out, zeros
+from .kit import accumulation, arg, dtype, emit, emit_te, env, shape, to_dtype, tuple_out, zeros
 from .registry import rule
 
 _FLOATS = ("float16", "bfloat16", "float32", "float64")
 _GPU_THREADS = 256  # threads of a block of the GPU 2D x 2D kernel
-
-
-def _acc(dt):
-    """The dtype a product of `dt` operands accumulates in: float32 for half precision, as PyTorch's CPU kernel."""
-    return "float32" if dt in ("float16", "bfloat16") else dt
 
 
 # ---- kernels ----------------------------------------------------------------------------------
@@ -128,7 +123,7 @@ def _each_its_group(imp, compute, a, b, offs, dt, out_shape, n_groups, positions
     if n_groups == 0:
         return zeros(imp, out_shape, dt)
     groups = _groups(imp, offs, positions)
-    out = emit_te(imp, compute, a, b, groups, _acc(dt), primfunc_name_hint=name)
+    out = emit_te(imp, compute, a, b, groups, accumulation(dt), primfunc_name_hint=name)
     return to_dtype(imp, _past_ends_zero(imp, out, groups, n_groups, axis), dt)
 
 
@@ -151,7 +146,7 @@ def contraction_by_group(imp, a, b, offs, dt):
     if S == 0:
         return zeros(imp, [E, M, N], dt)
     groups = _groups(imp, offs, S)
-    out = emit_te(imp, _contraction_te, a, b, groups, E, _acc(dt), imp.host_kernels,
+    out = emit_te(imp, _contraction_te, a, b, groups, E, accumulation(dt), imp.host_kernels,
                   primfunc_name_hint="grouped_mm_contraction")
     return to_dtype(imp, out, dt)
 
@@ -192,7 +187,7 @@ def grouped_mm(imp, node):
         return columns_by_group(imp, a, b, offs, dt)
     if layout == (2, 2):
         return contraction_by_group(imp, a, b, offs, dt)
-    return to_dtype(imp, emit(imp, relax.op.matmul(a, b, out_dtype=_acc(dt))), dt)
+    return to_dtype(imp, emit(imp, relax.op.matmul(a, b, out_dtype=accumulation(dt))), dt)
 
 
 def _transposed(imp, x):

@@ -52,6 +52,12 @@ def dtype(expr):
     return str(expr.ty.dtype)
 
 
+def accumulation(dt):
+    """The dtype PyTorch's CPU kernels accumulate `dt` in: float32 for float16/bfloat16 (each
+    result rounded once), else `dt`."""
+    return "float32" if dt in ("float16", "bfloat16") else dt
+
+
 def is_float(dt):
     """Return whether the dtype string `dt` is a floating-point one (bfloat16 included)."""
     return dt.startswith("float") or dt.startswith("bfloat")

@@ -8,7 +8,7 @@ import numpy as np
 from tvm import relax
 
 from . import bounds
-from .kit import arg, cast, dtype, emit, env, flatten, nll_pick, out_meta, pair, scalar, shape, to_dtype, zeros
+from .kit import accumulation, arg, cast, dtype, emit, env, flatten, nll_pick, out_meta, pair, scalar, shape, to_dtype, zeros
 from .registry import rule
 
 
@@ -32,7 +32,7 @@ def nll_loss(imp, x, target, weight, reduction, ignore_index, total_shape):
     bfloat16 running sum stops growing at 256 ones, or once a term is under half its step.
     """
     dt = dtype(x)
-    acc = "float32" if dt in ("float16", "bfloat16") else dt
+    acc = accumulation(dt)
     onehot, w_t = nll_pick(imp, (x, target, weight, ignore_index))
     picked = emit(imp, relax.op.sum(relax.op.multiply(x, onehot), axis=[-1]))  # one term: exact in dt
     w_t = cast(imp, w_t, acc)
@@ -77,7 +77,7 @@ def mse_loss(imp, node):
     t = env(imp, node.args[1])
     reduction = arg(node, 2, "reduction", 1)
     dt = dtype(x)
-    acc = "float32" if dt in ("float16", "bfloat16") else dt  # rounded once, summed in float32 (nll_loss)
+    acc = accumulation(dt)  # rounded once, summed in float32 (nll_loss)
     d = emit(imp, relax.op.subtract(cast(imp, x, acc), cast(imp, t, acc)))
     sq = emit(imp, relax.op.multiply(d, d))
     if reduction == 0:
@@ -152,7 +152,7 @@ def native_layer_norm(imp, node):
     b = env(imp, arg(node, 3, "bias"))
     eps = arg(node, 4, "eps", 1e-5)
     dt = dtype(x)
-    acc = "float32" if dt in ("float16", "bfloat16") else dt
+    acc = accumulation(dt)
     x, w, b = (None if t is None else cast(imp, t, acc) for t in (x, w, b))
     axes = list(range(-len(nshape), 0))
     mean = emit(imp, relax.op.mean(x, axis=axes, keepdims=True))
@@ -208,7 +208,7 @@ def native_batch_norm(imp, node):
     # float16/bfloat16 in float32, rounded once, as PyTorch's CPU kernel; it returns the saved
     # statistics in the parameters' dtype, which its shape inference says is float32.
     param_dt = next((dtype(t) for t in (w, rm) if t is not None), dt)
-    acc = "float32" if dt in ("float16", "bfloat16") else dt
+    acc = accumulation(dt)
     x, w, b, rm, rv = (None if t is None else cast(imp, t, acc) for t in (x, w, b, rm, rv))
     nd = len(shape(x))
     axes = [0] + list(range(2, nd))
@@ -298,7 +298,7 @@ def softmax(imp, node):
 # PyTorch's CPU kernels do.
 def _matmul(imp, a, b, dt):
     """a @ b in `dt`; half precision: the float32 product, not yet rounded."""
-    acc = "float32" if dt in ("float16", "bfloat16") else dt
+    acc = accumulation(dt)
     return emit(imp, relax.op.matmul(a, b, out_dtype=acc))
 
 
@@ -426,7 +426,7 @@ def trilinear(imp, node):
     expands = [{d % total for d in arg(node, 3 + i, f"expand{i + 1}")} for i in range(3)]
     sumdim = sorted({d % total for d in arg(node, 6, "sumdim")})
     shp, dt = out_meta(node)
-    acc = "float32" if dt in ("float16", "bfloat16") else dt
+    acc = accumulation(dt)
     prod = None
     for x, expand in zip(ins, expands):
         sizes = iter(shape(x))

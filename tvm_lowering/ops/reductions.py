@@ -13,7 +13,7 @@ from tvm import relax, te, tirx
 from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as T
 
-from .kit import (arg, cast, dtype, emit, emit_host_kernel, emit_te, env, filled, is_float, isnan, nan_mask, norm_dims,
+from .kit import (accumulation, arg, cast, dtype, emit, emit_host_kernel, emit_te, env, filled, is_float, isnan, nan_mask, norm_dims,
                   out_meta, shape, to_dtype)
 from .registry import rule
 
@@ -23,11 +23,6 @@ from .registry import rule
 # float32 and round the result once; TVM's reductions accumulate in the tensor's dtype (a bfloat16
 # row sum of 96 elements came out 100% off). These accumulate in float32 too.
 _HALF = ("float16", "bfloat16")
-
-
-def _acc(dt):
-    """The dtype a reduction to `dt` accumulates in."""
-    return "float32" if dt in _HALF else dt
 
 
 @rule("sum.dim_IntList", "sum.default")
@@ -56,7 +51,7 @@ def mean(imp, node):
     """A 0-dim input is its own mean; an empty dim list means every dim."""
     x = env(imp, node.args[0])
     _, dt = out_meta(node)
-    x = cast(imp, x, _acc(dt))
+    x = cast(imp, x, accumulation(dt))
     nd = len(shape(x))
     if nd == 0:
         return to_dtype(imp, x, dt)
@@ -69,7 +64,7 @@ def _variance(imp, node):
     N <= correction inf (or NaN where all deviations are 0). TVM's rule divides by N = 0 at
     compile time and returns NaN for every N <= correction. In float32 for a half-precision x."""
     _, dt = out_meta(node)
-    x = cast(imp, env(imp, node.args[0]), _acc(dt))
+    x = cast(imp, env(imp, node.args[0]), accumulation(dt))
     xs = shape(x)
     axes = _axes(arg(node, 1, "dim"), len(xs)) if xs else None
     n = math.prod(xs[a] for a in axes) if axes is not None else math.prod(xs)
@@ -237,7 +232,7 @@ def vector_norm(imp, node):
     if not nd:
         return cast(imp, emit(imp, relax.op.abs(x) if order else relax.op.not_equal(x, relax.const(0, dtype(x)))), dt)
     axes = None if every else [d % nd for d in ([dims] if isinstance(dims, int) else dims)]
-    return to_dtype(imp, _norm(imp, x, order, axes, arg(node, 3, "keepdim", False), _acc(dt)), dt)
+    return to_dtype(imp, _norm(imp, x, order, axes, arg(node, 3, "keepdim", False), accumulation(dt)), dt)
 
 
 def _norm(imp, x, order, axes, keepdim, dt):
@@ -262,7 +257,7 @@ def _norm(imp, x, order, axes, keepdim, dt):
 def cumulative(imp, node):
     """In the output dtype from the start (bool and int inputs accumulate as int64); 0-dim is itself."""
     _, dt = out_meta(node)
-    x = cast(imp, env(imp, node.args[0]), _acc(dt))  # half precision: a float32 running total, each output rounded
+    x = cast(imp, env(imp, node.args[0]), accumulation(dt))  # half precision: a float32 running total, each output rounded
     nd = len(shape(x))
     if nd == 0:
         return to_dtype(imp, x, dt)
