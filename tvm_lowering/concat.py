@@ -16,6 +16,8 @@ import math
 import tvm
 from tvm import relax, te, tirx
 
+from .simplify import static_shape
+
 MANY = 8
 _PARALLEL_MIN = 1 << 16  # elements of an input from which its copy runs on parallel tasks
 
@@ -27,11 +29,10 @@ def _static_fields(call):
     if not isinstance(fields, relax.Tuple) or len(fields.fields) < MANY:
         return None
     types = [f.ty for f in fields.fields]
-    if not all(isinstance(t, relax.TensorType) and t.shape is not None for t in types):
+    shapes = [static_shape(t) for t in types]
+    if any(shape is None for shape in shapes):
         return None
-    if not all(isinstance(v, tirx.IntImm) for t in types for v in getattr(t.shape, "values", [None])):
-        return None
-    if len({str(t.dtype) for t in types}) != 1 or len({len(t.shape.values) for t in types}) != 1:
+    if len({str(t.dtype) for t in types}) != 1 or len({len(shape) for shape in shapes}) != 1:
         return None
     return list(fields.fields) if _copyable(types[0].dtype) else None
 
@@ -79,10 +80,10 @@ def _concat(bb, call):
     axis = call.attrs.axis
     if fields is None or axis is None:
         return call.op.get_attr("FLegalize")(bb, call)
-    rank = len(fields[0].ty.shape.values)
+    rank = len(static_shape(fields[0].ty))
     axis = int(axis) % rank
-    shapes = [[int(v) for v in f.ty.shape.values] for f in fields]
-    out_shape = [int(v) for v in call.ty.shape.values]
+    shapes = [static_shape(f.ty) for f in fields]
+    out_shape = static_shape(call.ty)
     rows, inner = math.prod(out_shape[:axis]), math.prod(out_shape[axis + 1:])
     runs, start = [], 0
     for shape in shapes:  # input k: rows of shape[axis] * inner elements, at its offset in each output row
@@ -96,8 +97,8 @@ def _stack(bb, call):
     fields = _static_fields(call)
     if fields is None or call.attrs.axis is None:
         return call.op.get_attr("FLegalize")(bb, call)
-    axis = int(call.attrs.axis) % (len(fields[0].ty.shape.values) + 1)
-    out_shape = [int(v) for v in call.ty.shape.values]
+    axis = int(call.attrs.axis) % (len(static_shape(fields[0].ty)) + 1)
+    out_shape = static_shape(call.ty)
     rows, inner = math.prod(out_shape[:axis]), math.prod(out_shape[axis + 1:])
     runs = [(rows, inner, k * inner, len(fields) * inner) for k in range(len(fields))]
     return bb.call_te(lambda *xs: _copies(xs, out_shape, runs, "stack_copies"), *fields,
@@ -109,13 +110,9 @@ def _split(bb, call):
     the input: TVM's kernel writes each part in a block of its own, with the parts' producers
     fused in front of every one."""
     x, out_types = call.args[0], call.ty.fields if isinstance(call.ty, relax.TupleType) else []
-    shapes = [getattr(t.shape, "values", None) if isinstance(t, relax.TensorType) else None for t in out_types]
-    in_shape = getattr(x.ty.shape, "values", None) if isinstance(x.ty, relax.TensorType) else None
-    if len(shapes) < MANY or in_shape is None or not _copyable(x.ty.dtype) or any(s is None for s in shapes) or not all(
-            isinstance(v, tirx.IntImm) for v in [*in_shape, *(v for s in shapes for v in s)]):
+    shapes, in_shape = [static_shape(t) for t in out_types], static_shape(x.ty)
+    if len(shapes) < MANY or in_shape is None or any(s is None for s in shapes) or not _copyable(x.ty.dtype):
         return call.op.get_attr("FLegalize")(bb, call)
-    in_shape = [int(v) for v in in_shape]
-    shapes = [[int(v) for v in s] for s in shapes]
     axis = int(call.attrs.axis) % len(in_shape)
     rows, inner = math.prod(in_shape[:axis]), math.prod(in_shape[axis + 1:])
     runs, start = [], 0

@@ -32,6 +32,14 @@ def _axes(call, ndim):
     return list(range(ndim))[::-1] if axes is None else [int(a) for a in axes]
 
 
+def static_shape(ty):
+    """The shape of tensor type `ty` as ints, or None where it is not a tensor of static shape."""
+    values = getattr(ty.shape, "values", None) if isinstance(ty, relax.TensorType) and ty.shape is not None else None
+    if values is None or not all(isinstance(v, tvm.tirx.IntImm) for v in values):
+        return None
+    return [int(v) for v in values]
+
+
 def rewrite_functions(mutator, mod):
     """Run a relax.PyExprMutator made for `mod` over each of its Relax functions; return the new module."""
     for gv, func in mod.functions_items():

@@ -12,7 +12,7 @@ import tvm
 import tvm_ffi
 from tvm import relax, te, tirx, topi
 
-from .simplify import rewrite_functions
+from .simplify import rewrite_functions, static_shape
 
 TAG = "ratex.slice"  # on a slice's kernel: (axes, begins, strides), each a list of ints
 _CALL_TIR = tvm.ir.Op.get("relax.call_tir")
@@ -25,17 +25,10 @@ def _ints(expr):
     return [int(f.value) for f in fields]
 
 
-def _static(ty):
-    values = getattr(getattr(ty, "shape", None), "values", None) if isinstance(ty, relax.TensorType) else None
-    if values is None or not all(isinstance(v, tirx.IntImm) for v in values):
-        return None
-    return [int(v) for v in values]
-
-
 def _spec(call):
     """(axes, begins, strides) of a strided_slice of static shapes whose every read is in
     bounds, with constant arguments; else None."""
-    x, out = _static(call.args[0].ty), _static(call.ty)
+    x, out = static_shape(call.args[0].ty), static_shape(call.ty)
     parts = [_ints(a) for a in call.args[1:]]
     if x is None or out is None or any(p is None for p in parts):
         return None

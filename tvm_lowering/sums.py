@@ -25,7 +25,7 @@ stays as it is.
 import tvm
 from tvm import relax
 
-from .simplify import rewrite_functions
+from .simplify import rewrite_functions, static_shape
 
 _ADD = tvm.ir.Op.get("relax.add")
 _MATMUL = tvm.ir.Op.get("relax.matmul")
@@ -67,20 +67,10 @@ def _uses(func: relax.Function) -> dict:
     return uses
 
 
-def _static(ty):
-    """The shape of tensor type `ty` as ints, or None where it is not static."""
-    if not isinstance(ty, relax.TensorType) or ty.shape is None:
-        return None
-    values = getattr(ty.shape, "values", None)
-    if values is None or not all(isinstance(v, tvm.tirx.IntImm) for v in values):
-        return None
-    return [int(v) for v in values]
-
-
 def _same(a, b) -> bool:
     """Whether tensor types `a` and `b` are the same static shape and dtype."""
-    shape = _static(a)
-    return shape is not None and shape == _static(b) and str(a.dtype) == str(b.dtype)
+    shape = static_shape(a)
+    return shape is not None and shape == static_shape(b) and str(a.dtype) == str(b.dtype)
 
 
 def _transposed(value):
@@ -139,7 +129,7 @@ class _JoinSums(relax.PyExprMutator):
 
     def visit_call_(self, call):
         call = super().visit_call_(call)
-        if not call.op.same_as(_ADD) or self.bound in self.inner or _static(call.ty) is None:
+        if not call.op.same_as(_ADD) or self.bound in self.inner or static_shape(call.ty) is None:
             return call
         if not all(_same(a.ty, call.ty) for a in call.args):
             return call
@@ -164,7 +154,7 @@ class _JoinSums(relax.PyExprMutator):
     def _joinable_product(value):
         if not isinstance(value, relax.Call) or not value.op.same_as(_MATMUL):
             return False
-        a, b = (_static(x.ty) for x in value.args)
+        a, b = (static_shape(x.ty) for x in value.args)
         if a is None or b is None or len(a) != 2 or len(b) != 2:
             return False
         if any(str(x.ty.dtype) != str(value.ty.dtype) for x in value.args):
@@ -176,8 +166,8 @@ class _JoinSums(relax.PyExprMutator):
     def _joinable_collapse(value):
         if not isinstance(value, relax.Call) or not value.op.same_as(_COLLAPSE):
             return False
-        x = _static(value.args[0].ty)
-        return x is not None and len(x) >= 2 and _static(value.ty) == x[1:]
+        x = static_shape(value.args[0].ty)
+        return x is not None and len(x) >= 2 and static_shape(value.ty) == x[1:]
 
     def _concat(self, xs, axis):
         key = (tuple(xs), axis)
@@ -203,14 +193,14 @@ class _JoinSums(relax.PyExprMutator):
     def _join_pads(self, pads):
         """The sum of zero pads (_disjoint_pads) as the concatenation of what they pad, zeros
         between; a stack where every piece is one step of the axis, made from a tensor without it."""
-        axis, size = _pad_axis(pads[0]), _static(pads[0].ty)
+        axis, size = _pad_axis(pads[0]), static_shape(pads[0].ty)
         pieces, at = [], 0
         for pad in sorted(pads, key=lambda p: int(p.attrs.pad_width[2 * axis])):
             begin = int(pad.attrs.pad_width[2 * axis])
             if begin > at:
                 pieces.append(size[:axis] + [begin - at] + size[axis + 1:])
             pieces.append(pad.args[0])
-            at = begin + _static(pad.args[0].ty)[axis]
+            at = begin + static_shape(pad.args[0].ty)[axis]
         if at < size[axis]:
             pieces.append(size[:axis] + [size[axis] - at] + size[axis + 1:])
         dtype = pads[0].ty.dtype
@@ -223,7 +213,7 @@ class _JoinSums(relax.PyExprMutator):
     def _unit_source(self, piece, axis):
         """The tensor that `piece` (one step of `axis`) is a reshape or expand_dims of, where that
         tensor's shape is the piece's without the axis; else None."""
-        shape = _static(piece.ty)
+        shape = static_shape(piece.ty)
         if shape is None or shape[axis] != 1:
             return None
         value = self.lookup_binding(self._root(piece)) if isinstance(piece, relax.Var) else None
@@ -232,7 +222,7 @@ class _JoinSums(relax.PyExprMutator):
         source = value.args[0]
         if isinstance(source, relax.DataflowVar) and not isinstance(self._root(piece), relax.DataflowVar):
             return None  # the piece comes from an earlier block, where its source stays
-        return source if _static(source.ty) == shape[:axis] + shape[axis + 1:] else None
+        return source if static_shape(source.ty) == shape[:axis] + shape[axis + 1:] else None
 
     def _join_collapses(self, collapses):
         joined = self._concat([self._root(c.args[0]) for c in collapses], 0)
@@ -244,7 +234,7 @@ def _pad_axis(pad) -> int:
     several or is not a zero pad of a static shape."""
     if not isinstance(pad, relax.Call) or not pad.op.same_as(_PAD) or pad.attrs.pad_mode != "constant":
         return -1
-    if pad.attrs.pad_value != 0.0 or _static(pad.ty) is None or _static(pad.args[0].ty) is None:
+    if pad.attrs.pad_value != 0.0 or static_shape(pad.ty) is None or static_shape(pad.args[0].ty) is None:
         return -1
     widths = [int(w) for w in pad.attrs.pad_width]
     if any(w < 0 for w in widths):
@@ -261,7 +251,7 @@ def _disjoint_pads(terms) -> list:
     if len(pads) < 2 or len(axes) != 1:
         return []
     axis = axes.pop()
-    spans = sorted((int(v.attrs.pad_width[2 * axis]), _static(v.args[0].ty)[axis]) for _, v in pads)
+    spans = sorted((int(v.attrs.pad_width[2 * axis]), static_shape(v.args[0].ty)[axis]) for _, v in pads)
     if any(begin + length > after for (begin, length), (after, _) in zip(spans, spans[1:])):
         return []
     dtype = {str(v.ty.dtype) for _, v in pads} | {str(v.args[0].ty.dtype) for _, v in pads}
