@@ -343,3 +343,36 @@ def test_torch_compile_raises_index_error_at_the_call():
         for bad in overruns(name)[0]:
             with pytest.raises(IndexError, match=f"index {bad} is out of bounds .* in {CASES[name][3]}"):
                 compiled(x, w, b, tuple(indices(name, bad).values()))
+
+
+@pytest.mark.gpu
+def test_torch_compile_on_cuda_raises_index_error_at_a_later_call():
+    """On CUDA tensors the check is read once its copy lands, as eager CUDA's device-side assert
+    surfaces later: the call that met the bad index returns; the next program call or
+    lm.wait_device_ops() raises, naming the op. CUDA_LAUNCH_BLOCKING=1 raises at the call."""
+    x, w, b = (t.cuda() for t in _state())
+
+    def fn(x, w, b, idx):
+        outs = ops(x, w, b, dict(zip(NAMES, idx)))
+        outs.pop("nll_loss")
+        return tuple(outs.values())
+
+    compiled = torch.compile(fn, backend="ratex", dynamic=False)
+    good, bad = indices(device="cuda"), indices("embedding", 6, device="cuda")
+    want = fn(x.cpu(), w.cpu(), b.cpu(), tuple(indices().values()))
+    torch.testing.assert_close(tuple(o.cpu() for o in compiled(x, w, b, tuple(good.values()))), want)
+    compiled(x, w, b, tuple(bad.values()))  # returns: the check is not read yet
+    match = "index 6 is out of bounds .* in aten.embedding.default.*found after that call returned"
+    with pytest.raises(IndexError, match=match):
+        compiled(x, w, b, tuple(good.values()))
+        lm.wait_device_ops()
+    compiled(x, w, b, tuple(bad.values()))
+    with pytest.raises(IndexError, match=match):
+        lm.wait_device_ops()
+    os.environ["CUDA_LAUNCH_BLOCKING"] = "1"
+    try:
+        with pytest.raises(IndexError, match="index 6 is out of bounds .* in aten.embedding.default"):
+            compiled(x, w, b, tuple(bad.values()))
+    finally:
+        del os.environ["CUDA_LAUNCH_BLOCKING"]
+    torch.testing.assert_close(tuple(o.cpu() for o in compiled(x, w, b, tuple(good.values()))), want)

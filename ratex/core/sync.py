@@ -241,10 +241,17 @@ def mark_step():
             fn(*args)
 
 
+# Called by wait_device_ops after the lazy programs: each waits for the work of another front end
+# and raises what it found (ratex.dynamo: the index checks of CUDA programs not yet read).
+waiters = []
+
+
 def wait_device_ops():
     """Block until all launched programs have run; raise if one of them failed."""
     launch.drain()
     launch.raise_failures()
+    for wait in waiters:
+        wait()
 
 
 def reset_cache():

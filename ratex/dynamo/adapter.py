@@ -6,7 +6,9 @@ compile caches (the lazy path's memory cache object and its persistent
 the RNG seed scheme and the settings. When those move behind new interfaces,
 this module is what follows them.
 """
+import collections
 import functools
+import os
 import time
 import warnings
 
@@ -14,7 +16,7 @@ import torch
 
 import tvm_lowering
 from .. import config, process
-from ..core import bounds, executor, kernels, launch, metrics, progress, tvm_log
+from ..core import bounds, executor, kernels, launch, metrics, progress, sync, tvm_log
 from ..core.tracing import random
 from ..version import __version__
 
@@ -121,10 +123,11 @@ def lower(graph, kind: str):
                                          library_min_macs=opts.library_min_macs, checks=[])
 
 
-def check_indices(rows: torch.Tensor, nodes: list):
+def check_indices(rows: torch.Tensor, nodes: list, late: bool = False):
     """Raise IndexError (ratex's IndexOutOfRange) where the check rows `rows` that a program
     returned found an index out of range, naming the op among fx `nodes` (a node's position is
-    its meta[SITE]) and the user's line that dynamo recorded for it."""
+    its meta[SITE]) and the user's line that dynamo recorded for it. `late`: the rows are those
+    of an earlier call, read after it returned (`check_indices_later`)."""
     def describe(site, sub):
         node = nodes[site] if 0 <= site < len(nodes) else None
         if node is None:
@@ -134,7 +137,53 @@ def check_indices(rows: torch.Tensor, nodes: list):
 
     text = bounds.message(rows.cpu().numpy(), describe)
     if text is not None:
-        raise launch.IndexOutOfRange(text, f"ratex: {text}")
+        note = (" (found after that call returned: CUDA programs run asynchronously, as eager's CUDA kernels do; "
+                "CUDA_LAUNCH_BLOCKING=1 raises at the call itself)") if late else ""
+        raise launch.IndexOutOfRange(text, f"ratex: {text}{note}")
+
+
+# Index checks of CUDA programs, not yet read: (event recorded after the rows' copy to the host,
+# the host rows, the region's nodes), oldest first. Reading the rows at the call would wait for
+# the program's kernels, and the host could not launch the next program while the GPU runs this
+# one (two waits a step for a model with a loss over class indices: forward and backward).
+deferred = collections.deque()
+_MOST_DEFERRED = 8  # more unread than this: wait for the oldest, so an error surfaces within a few steps
+
+
+def check_indices_later(rows: torch.Tensor, nodes: list):
+    """Check the CUDA rows `rows` once their copy to the host lands (`read_checks`, at the next
+    program call, or `lm.wait_device_ops()`), as a device-side assert of eager CUDA surfaces at a
+    later call; at once where CUDA_LAUNCH_BLOCKING=1 asks for errors at the call that makes them."""
+    if _launch_blocking():
+        return check_indices(rows, nodes)
+    host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)  # torch's host cache reuses it
+    host.copy_(rows, non_blocking=True)
+    landed = torch.cuda.Event()
+    landed.record()
+    deferred.append((landed, host, nodes))
+    if len(deferred) > _MOST_DEFERRED:
+        read_checks(wait=True)
+
+
+def read_checks(wait: bool = False, every: bool = False):
+    """Read the deferred checks whose rows have landed, oldest first, raising IndexError for the
+    first that found an index out of range; `wait`: wait for the oldest; `every`: for all."""
+    while deferred:
+        landed, host, nodes = deferred[0]
+        if not landed.query():
+            if not (wait or every):
+                return
+            landed.synchronize()
+        wait = False
+        deferred.popleft()
+        check_indices(host, nodes, late=True)
+
+
+sync.waiters.append(lambda: read_checks(every=True))
+
+
+def _launch_blocking() -> bool:
+    return os.environ.get("CUDA_LAUNCH_BLOCKING", "0") not in ("", "0")
 
 
 def saving_ir() -> bool:

@@ -28,6 +28,7 @@ from . import adapter, graphs, partition
 _perf = time.perf_counter
 _record = adapter.record
 _listeners = adapter.listeners  # the profiler's list, changed in place as listeners come and go
+_deferred = adapter.deferred  # CUDA index checks not yet read, changed in place
 
 
 class Region:
@@ -86,9 +87,11 @@ class Region:
         return self._call(xs)
 
     def _call(self, xs) -> list:
+        if _deferred:
+            adapter.read_checks()
         xs = [x if x.is_contiguous() else x.contiguous() for x in xs]
-        if self.to_device:
-            xs = [x.to(self.device) if k in self.to_device else x for k, x in enumerate(xs)]
+        if self.to_device:  # queued behind the running programs, not waited for (blocking would wait for them)
+            xs = [x.to(self.device, non_blocking=True) if k in self.to_device else x for k, x in enumerate(xs)]
         if self.empty:
             xs = [_empty(x) if k in self.empty else x for k, x in enumerate(xs)]
         start = _perf()
@@ -102,7 +105,11 @@ class Region:
         if self.convert:
             outs = [o if type(o) is torch.Tensor else torch.from_dlpack(o) for o in outs]
         if self.n_outs is not None and len(outs) > self.n_outs:
-            adapter.check_indices(outs.pop(), self.nodes)
+            rows = outs.pop()
+            if rows.is_cuda:
+                adapter.check_indices_later(rows, self.nodes)
+            else:
+                adapter.check_indices(rows, self.nodes)
         if self.copy is None:
             self.copy = self._find_shared(xs, outs)
             self._arm()
