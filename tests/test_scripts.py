@@ -91,3 +91,29 @@ def test_zoo_trains_one_model_like_cpu():
     bad = subprocess.run([sys.executable, os.path.join(SCRIPTS, "zoo.py"), "--one", "gpt5", "lazy"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "gpt5" in bad.stderr
+
+
+def test_kernel_check_compares_each_kernel_with_its_unscheduled_self(tmp_path, monkeypatch):
+    """scripts/kernel_check.py: every kernel of a scripted step agrees with its rule's loops on
+    the CPU; an output that a compiled kernel got wrong (here: negated) is reported, its TIR saved."""
+    import kernel_check  # noqa: PLC0415
+    from ratex import config  # noqa: PLC0415
+
+    monkeypatch.setattr(config, "NATIVE_RUNNER", False)  # as the script sets them: programs run through Program.run
+    monkeypatch.setattr(config, "ASYNC", False)
+    programs = kernel_check.run_step("stack", "script", -1)
+    assert len(programs) == 1
+    checked, bad, _ = kernel_check.check(*programs[0], str(tmp_path))
+    assert checked >= 5 and bad == []
+    calls = kernel_check.kernel_calls
+
+    def one_wrong(program, inputs):
+        got, outs = calls(program, inputs)
+        name, before, after = got[-1]
+        return got[:-1] + [(name, before, after[:-1] + [-after[-1] - 1])], outs
+
+    monkeypatch.setattr(kernel_check, "kernel_calls", one_wrong)
+    _, bad, _ = kernel_check.check(*programs[0], str(tmp_path))
+    assert len(bad) == 1 and bad[0][2] >= 1
+    saved = os.listdir(tmp_path)
+    assert len(saved) == 1 and "# scheduled" in (tmp_path / saved[0]).read_text()

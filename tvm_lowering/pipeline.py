@@ -85,6 +85,27 @@ def build(mod: tvm.IRModule, target: Target, options: Options = Options(), donat
     return executable
 
 
+# Passes that schedule kernels: TVM's default GPU schedules, ratex's binding of what they left
+# unbound (cuda_pipeline.py), and the target's own schedules (once.py names them Once(...)).
+_SCHEDULING = ("ApplyDefaultSchedule", "RatexBindUnboundKernels")
+
+
+def legalized(mod: tvm.IRModule, target: Target, options: Options = Options(), scheduled: bool = False) -> tvm.IRModule:
+    """`mod` through `build`'s passes up to and with its kernels' schedules (`scheduled`) or
+    without them: every kernel fused and named as `build` makes it, its loops as its rule wrote
+    them. A scheduled kernel that computes otherwise than its unscheduled self has a schedule or
+    code generation bug (scripts/kernel_check.py compares the two, kernel by kernel)."""
+    passes = []
+    for p in _passes(target, options):
+        name = p.info.name
+        if name == "RewriteDataflowReshape":  # the first pass past legalization
+            break
+        if scheduled or (name not in _SCHEDULING and not name.startswith("Once(")):
+            passes.append(p)
+    with target.tvm:
+        return tvm.transform.Sequential(passes)(mod)
+
+
 def memory_plan(mod: tvm.IRModule, target: Target, options: Options = Options(), donate=()) -> dict:
     """Bytes that `main` allocates per call once memory is planned, as `build` would compile it.
 

@@ -1,0 +1,208 @@
+"""Kernel by kernel: does each compiled kernel of a training step compute what its rule wrote?
+
+    python scripts/kernel_check.py stack                      # a model of tests/test_jit.py, scripted
+    RATEX_DEVICE=GPU python scripts/kernel_check.py stack --dim 0 --out DIR
+    python scripts/kernel_check.py lenet-b1 --mode lazy       # a bench model (scripts/bench_models.py)
+
+Runs one step of the model on the lazy device (RATEX_DEVICE picks the target; programs run
+inline), then replays each program the step ran on the same inputs in a Relax VM whose
+instrument copies every kernel's arguments to the host before and after the call. Each kernel
+is then built once more from the same module with no schedule at all (tvm_lowering.pipeline.
+legalized: the loops as the rule wrote them), for the CPU, and run on the arguments the
+compiled kernel got; its outputs must equal the compiled kernel's. A kernel that differs has a
+schedule or code generation bug (on the GPU: dlight's rules, DefaultGPUSchedule, NVRTC), and
+its TIR, scheduled and not, goes to --out. Library calls (ratex.lib.*, PyTorch's kernels) are
+listed, not checked. Floats compare with rtol 1e-4 and atol 1e-5, other dtypes exactly.
+
+Models: `stack` and `stack-slices` (test_jit.py's _Stack and _StackOfSlices: --dim), or any
+bench model, whose step is zero_grad, forward, loss, backward and the optimizer step.
+"""
+import argparse
+import os
+import re
+import sys
+
+os.environ.setdefault("RATEX_ASYNC", "0")  # programs run on this thread, through Program.run
+os.environ.setdefault("RATEX_NATIVE_RUNNER", "0")
+os.environ.setdefault("RATEX_CACHE_DIR", "")  # programs compiled here keep their module, which the check rebuilds
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import ratex  # noqa: E402
+import ratex.lazy_tensor_core.core.lazy_model as lm  # noqa: E402
+import tvm  # noqa: E402
+from ratex.core import executor  # noqa: E402
+from ratex.core.device import backend  # noqa: E402
+from tvm import relax  # noqa: E402
+from tvm_lowering import pipeline  # noqa: E402
+
+
+class Stack(nn.Module):
+    """GPT-J's rotate_every_two with a linear layer before it (tests/test_jit.py's _Stack)."""
+
+    def __init__(self, dim, linear=True):
+        super().__init__()
+        self.fc = nn.Linear(6, 6) if linear else nn.Identity()
+        self.dim = dim
+
+    def forward(self, x):
+        h = self.fc(x)
+        return torch.stack((-h[:, 1::2], h[:, ::2], h[:, :3] * h[:, 3:]), dim=self.dim).flatten(-2)
+
+
+def run_step(name, mode, dim):
+    """Run one step of model `name` on the lazy device; return [(program, inputs)] of the programs it ran."""
+    seen = []
+    run = executor.Program.run
+
+    def recording(self, inputs):
+        outs = run(self, inputs)
+        seen.append((self, list(inputs), [_host(o) for o in outs]))
+        return outs
+
+    executor.Program.run = recording
+    dev = lm.lazy_device()
+    torch.manual_seed(0)
+    try:
+        if name in ("stack", "stack-slices"):
+            model = Stack(dim, linear=name == "stack")
+            model = (ratex.jit.script(model) if mode == "script" else model).to(dev)
+            x = torch.randn(2, 6).to(dev).requires_grad_()
+            out = model(x)
+            out.backward(torch.linspace(-1, 2, out.numel()).view(out.shape).to(dev))
+        else:
+            from bench_models import MODELS  # noqa: PLC0415
+
+            spec = MODELS[name]
+            model = spec.build().train()
+            model = (ratex.jit.script(model) if mode == "script" else model).to(dev)
+            opt = spec.optimizer(model.parameters())
+            x, y = next(iter(spec.batches(1)))
+            opt.zero_grad(set_to_none=True)
+            spec.loss(model(x.to(dev)), y.to(dev)).backward()
+            opt.step()
+        lm.mark_step()
+        lm.wait_device_ops()
+    finally:
+        executor.Program.run = run
+    return seen
+
+
+# The build names a kernel after its fused ops and its structural hash (tvm_lowering/codegen.py)
+_BUILT_NAME = re.compile(r"_[0-9a-f]{16}(_u[0-9]+)?$")
+
+
+def _host(arg):
+    if isinstance(arg, torch.Tensor):
+        return arg.detach().cpu().float().numpy() if arg.dtype == torch.bfloat16 else arg.detach().cpu().numpy()
+    return arg.numpy() if isinstance(arg, tvm.runtime.Tensor) else arg
+
+
+def kernel_calls(program, inputs) -> tuple:
+    """([(symbol, arguments before, arguments after)] of each call `program` makes, on the host;
+    the program's outputs, on the host)."""
+    vm = relax.VirtualMachine(program.executable, program.device)
+    calls, before = [], []
+
+    def instrument(_func, symbol, is_before, _ret, *args):
+        name = str(symbol)
+        if name.startswith("vm.builtin."):
+            return 0
+        if is_before:
+            before.append([_host(a) for a in args])
+        else:
+            calls.append((name, before.pop(), [_host(a) for a in args]))
+        return 0
+
+    vm.set_instrument(instrument)
+    outs = vm["main"](*inputs)
+    return calls, [_host(o) for o in outs]
+
+
+def _same(a, b) -> tuple:
+    """(equal, largest difference) of two host arrays."""
+    if not isinstance(a, np.ndarray):
+        return a == b, 0.0
+    floating = a.dtype.kind == "f" or str(a.dtype) == "bfloat16"
+    a, b = a.astype(np.float64), b.astype(np.float64)
+    with np.errstate(invalid="ignore"):  # inf - inf
+        gap = np.abs(a - b)
+    diff = float(gap[~np.isnan(gap)].max()) if (~np.isnan(gap)).any() else 0.0
+    if floating:
+        return bool(np.allclose(a, b, rtol=1e-4, atol=1e-5, equal_nan=True)), diff
+    return bool(np.array_equal(a, b)), diff
+
+
+def check(program, inputs, outs, out_dir) -> tuple:
+    """Check every kernel call of `program` against its unscheduled kernel on the CPU; return
+    (kernels checked, [(kernel, argument, largest difference)] that differ, library calls). The
+    replay, one call at a time, must also give the step's outputs `outs`: where it does not, the
+    step's run differed from a replay that waits for each call (an order or stream bug), and
+    the outputs that differ are listed as kernel 'output'."""
+    if program.mod is None:
+        raise RuntimeError("the program came from the disk cache, without its module: run with RATEX_CACHE_DIR=''")
+    be = backend()
+    options = executor.compile_options(be)
+    plain = pipeline.legalized(program.mod, be.target, options)
+    kernels = {gv.name_hint: f for gv, f in plain.functions.items() if isinstance(f, tvm.tirx.PrimFunc)}
+    built, bad, library, checked = {}, [], [], 0
+    calls, replayed = kernel_calls(program, inputs)
+    for j, (want, got) in enumerate(zip(outs, replayed)):
+        same, diff = _same(got, want)
+        if not same:
+            bad.append(("output", j, diff))
+    for name, before, after in calls:
+        func = kernels.get(_BUILT_NAME.sub("", name))
+        if func is None:
+            library.append(name)
+            continue
+        if name not in built:
+            try:
+                built[name] = tvm.compile(tvm.IRModule({name: func.with_attr("global_symbol", name)}), target="llvm")[name]
+            except Exception as err:  # noqa: BLE001 - TVM's errors: reported, the other kernels checked
+                built[name] = None
+                print(f"  {name}: its unscheduled kernel does not build for the CPU ({str(err).strip().splitlines()[-1]})")
+        if built[name] is None:
+            continue
+        args = [tvm.runtime.tensor(a) if isinstance(a, np.ndarray) else a for a in before]
+        built[name](*args)
+        checked += 1
+        for k, (want, got) in enumerate(zip((_host(a) for a in args), after)):
+            same, diff = _same(want, got)
+            if not same:
+                bad.append((name, k, diff))
+    if bad and out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        scheduled = pipeline.legalized(program.mod, be.target, options, scheduled=True)
+        for name in sorted({b[0] for b in bad} - {"output"}):
+            base = _BUILT_NAME.sub("", name)
+            with open(os.path.join(out_dir, f"{base}.txt"), "w") as f:
+                f.write(f"# unscheduled\n{plain[base]}\n\n# scheduled\n{scheduled[base]}\n")
+    return checked, bad, library
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", help="stack, stack-slices, or a bench model (scripts/bench_models.py)")
+    p.add_argument("--mode", choices=("lazy", "script"), default="script")
+    p.add_argument("--dim", type=int, default=-1, help="the stack's dim (stack models)")
+    p.add_argument("--out", default="", help="a folder for the TIR of kernels that differ")
+    args = p.parse_args()
+    programs = run_step(args.model, args.mode, args.dim)
+    print(f"{args.model} ({args.mode}) on {os.environ.get('RATEX_DEVICE', 'CPU')}: {len(programs)} program(s)")
+    failed = False
+    for k, (program, inputs, outs) in enumerate(programs):
+        checked, bad, library = check(program, inputs, outs, args.out)
+        print(f"program {k}: {checked} kernel calls checked, {len(bad)} outputs differ; "
+              f"library calls: {', '.join(sorted(set(library))) or 'none'}")
+        for name, arg, diff in bad:
+            print(f"  DIFFERS  {name}  argument {arg}  largest difference {diff:.3g}")
+        failed |= bool(bad)
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
