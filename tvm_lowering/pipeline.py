@@ -5,6 +5,7 @@ import tvm
 from tvm import relax
 
 from . import codegen, cuda_graph, inplace, once
+from .fused_indices import guard_fused_indices
 from .legalize import legalize_ops
 from .library_dispatch import library_dispatch_pass
 from .simplify import drop_dead_bindings, expand_attention, fold_transposes
@@ -29,6 +30,7 @@ def _stages(target: Target, options: Options, donate=(), donated=None, kernel_pa
         legalize.append(kernel_pass)
     if options.schedule and target.schedule is not None:
         legalize.append(once.SCHEDULES.wrap(target.schedule(), target.name))
+    legalize.append(guard_fused_indices)  # after every schedule: indices TVM would flatten wrong (fused_indices.py)
     if donate:  # after fusion and scheduling: each op is a call_tir whose PrimFunc is final
         legalize.append(inplace.donate(donate, donated))
     finalize = stages.finalize_passes(target.tvm)

@@ -1,0 +1,102 @@
+"""Fused-loop indices that TVM's FlattenBuffer would compute wrong (tvm_lowering/fused_indices.py).
+
+TVM's IterMapSimplify rewrites `(x % K + c) // d` (d dividing K) as `(x + c) % K // d`, wrong where
+x % K + c wraps past K. A GPU schedule fuses every kernel's loops, so the gradient of a strided
+slice read its input one row off on an H100. These tests check the rewrite of the bindings, and
+run the kernels of a step as the GPU pipeline schedules them, with their thread loops made serial,
+on the CPU (scripts/kernel_check.py --gpu-on-cpu): FlattenBuffer runs there as on the GPU.
+"""
+import os
+import sys
+
+import pytest
+import torch
+import tvm
+from tvm import tirx
+from tvm.sym.iter_affine_map import iter_map_simplify
+from tvm.sym.analyzer import Analyzer
+
+from tvm_lowering import fused_indices, pipeline
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+import kernel_check  # noqa: E402
+
+
+def _value(expr, x, v):
+    a = Analyzer()
+    a.bind(x, tvm.ir.Range(tirx.const(v, "int64"), tirx.const(v + 1, "int64")))
+    return int(a.simplify(expr))
+
+
+def test_tvms_iter_map_gets_an_offset_split_wrong():
+    """The TVM behaviour the workaround exists for: where this starts to fail, TVM is fixed and
+    fused_indices.py can go."""
+    x = tirx.Var("x", "int64")
+    c = lambda v: tirx.const(v, "int64")  # noqa: E731
+    expr = tirx.floordiv(tirx.floormod(x, c(6)) + c(1), c(2))
+    simplified = iter_map_simplify([expr], {x: tvm.ir.Range(c(0), c(12))})[0]
+    wrong = [v for v in range(12) if _value(simplified, x, v) != (v % 6 + 1) // 2]
+    assert wrong == [5, 11], simplified
+    # the form the guard writes is left alone and stays right
+    guarded = tirx.floordiv(x - tirx.floordiv(x, c(6)) * c(6) + c(1), c(2))
+    kept = iter_map_simplify([guarded], {x: tvm.ir.Range(c(0), c(12))})[0]
+    assert [_value(kept, x, v) for v in range(12)] == [(v % 6 + 1) // 2 for v in range(12)]
+
+
+_KERNEL = '''
+    for f0 in T.thread_binding(T.int64(1), thread="blockIdx.x"):
+        for f1 in T.thread_binding(T.int64(1024), thread="threadIdx.x"):
+            with T.sblock("T_add"):
+                v0 = T.axis.spatial(T.int64(2), (f0 * T.int64(1024) + f1) // T.int64(6))
+                v1 = T.axis.spatial(T.int64(6), (f0 * T.int64(1024) + f1) % T.int64(6))
+                T.writes(out[v0, v1])
+                out[v0, v1] = {read}
+'''
+
+
+@pytest.mark.parametrize("read, risky", [
+    ("g[v0, (v1 - T.int64(1)) // T.int64(2)]", True),
+    ("g[v0, (T.int64(5) + v1) // T.int64(2) - T.int64(3)]", True),
+    ("g[v0, v1 // T.int64(2)]", False),  # no constant in the divided sum: the iter map gets it right
+    ("g[v0, (v0 + T.int64(1)) // T.int64(2)]", False),  # v0 is bound without %
+])
+def test_kernels_at_risk_are_those_dividing_an_offset_split(read, risky):
+    text = _KERNEL.format(read=read)
+    assert fused_indices.at_risk(text) is risky
+    fixed = fused_indices.guarded(text)
+    assert "% T.int64(6))" not in fixed
+    assert "v1 = T.axis.spatial(T.int64(6), ((f0 * T.int64(1024) + f1)) - ((f0 * T.int64(1024) + f1)) // T.int64(6) * T.int64(6))" in fixed
+
+
+class _Stack(torch.nn.Module):
+    """GPT-J's rotate_every_two: strided slices whose gradient reads at (v1 - 1) // 2."""
+
+    def forward(self, h):
+        return torch.stack((-h[:, 1::2], h[:, ::2], h[:, :3] * h[:, 3:]), dim=-1).flatten(-2)
+
+
+@pytest.mark.parametrize("model, mode", [("stack", "script"), ("stack", "lazy"), ("lenet-b1", "lazy")])
+def test_gpu_scheduled_kernels_compute_what_their_rules_write(model, mode, monkeypatch):
+    from ratex import config  # noqa: PLC0415
+
+    monkeypatch.setattr(config, "NATIVE_RUNNER", False)  # programs run through Program.run, which the check records
+    monkeypatch.setattr(config, "ASYNC", False)
+    programs = kernel_check.run_step(model, mode, -1)
+    assert programs
+    for program, _, _ in programs:
+        checked, bad, skipped = kernel_check.check_gpu_schedules(program.mod)
+        assert checked >= 5 and bad == [] and skipped == [], (bad, skipped)
+
+
+def test_without_the_guard_the_stacks_gradient_kernel_is_wrong(monkeypatch):
+    """The check above can fail: with the guard taken out, the strided slices' gradient kernel
+    reads one row off, as it did on the H100."""
+    from ratex import config  # noqa: PLC0415
+
+    monkeypatch.setattr(config, "NATIVE_RUNNER", False)
+    monkeypatch.setattr(config, "ASYNC", False)
+    monkeypatch.setattr(pipeline, "guard_fused_indices",
+                        tvm.transform.module_pass(lambda mod, _ctx: mod, opt_level=0, name="RatexGuardFusedIndices"))
+    (program, _, _), = kernel_check.run_step("stack", "script", -1)
+    _, bad, _ = kernel_check.check_gpu_schedules(program.mod)
+    assert [name for name, _, _ in bad] and all("pad" in name and "strided_slice" in name for name, _, _ in bad), bad
