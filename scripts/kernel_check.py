@@ -22,8 +22,9 @@ random arguments (integers 0, so that indices stay in range). That checks GPU sc
 TVM's lowering passes, which are the same on both (FlattenBuffer's index bug was one), but not
 NVRTC or the hardware.
 
-Models: `stack` and `stack-slices` (test_jit.py's _Stack and _StackOfSlices: --dim), or any
-bench model, whose step is zero_grad, forward, loss, backward and the optimizer step.
+Models: `stack` and `stack-slices` (test_jit.py's _Stack and _StackOfSlices: --dim), any
+bench model, whose step is zero_grad, forward, loss, backward and the optimizer step, or a zoo
+model (`zoo:gptj`), whose step is its loss's backward and an SGD step.
 """
 import argparse
 import os
@@ -81,6 +82,16 @@ def run_step(name, mode, dim):
             x = torch.randn(2, 6).to(dev).requires_grad_()
             out = model(x)
             out.backward(torch.linspace(-1, 2, out.numel()).view(out.shape).to(dev))
+        elif name.startswith("zoo:"):  # a model of scripts/zoo.py, one SGD step called as its users call it
+            import zoo  # noqa: PLC0415
+
+            build, batches = zoo.MODELS[name[4:]]
+            model = build().train()
+            model = (ratex.jit.script(model) if mode == "script" else model).to(dev)
+            opt = torch.optim.SGD(model.parameters(), lr=zoo.LR)
+            opt.zero_grad()
+            model(**{k: v.to(dev) for k, v in batches()[0].items()}).loss.backward()
+            opt.step()
         else:
             from bench_models import MODELS  # noqa: PLC0415
 
@@ -281,7 +292,7 @@ def check_gpu_schedules(mod, target_name="GPU", arch="sm_90", seed=0) -> tuple:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model", help="stack, stack-slices, or a bench model (scripts/bench_models.py)")
+    p.add_argument("model", help="stack, stack-slices, a bench model (scripts/bench_models.py) or zoo:NAME (scripts/zoo.py)")
     p.add_argument("--mode", choices=("lazy", "script"), default="script")
     p.add_argument("--dim", type=int, default=-1, help="the stack's dim (stack models)")
     p.add_argument("--out", default="", help="a folder for the TIR of kernels that differ")
