@@ -9,8 +9,9 @@
 #     nothing else running (at most 160 s): the figures to report;
 #  2. at once, each on cores of its own (taskset), for at most SECONDS (default 330): the suite
 #     with RATEX_DEVICE=GPU on 8 workers; every bench model in three streams (eager, ratex_compile,
-#     ratex_script, ratex_lazy: first figures, run beside the suite); scripts/zoo.py's GPT-2, T5
-#     and BERT in the lazy and script modes; and the scripted GPT on TVM's kernels alone.
+#     ratex_script, ratex_lazy: first figures, run beside the suite); the scripted GPT on TVM's
+#     kernels alone; scripts/kernel_check.py on three steps' GPU kernels; and scripts/zoo.py's
+#     GPT-2, T5, BERT and GPT-J in the lazy and script modes.
 # The logs (suite.log lists each test's result as it ends, so a stopped suite still counts; a
 # bench log lists each cell as it ends) go to OUTDIR. Python's fault handler is on throughout:
 # a crash prints the Python stack of every thread.
@@ -45,7 +46,10 @@ systems=eager,ratex_compile,ratex_script,ratex_lazy
       RATEX_KERNELS=$kernels timeout 90 python3 scripts/bench.py --cell gpt2l-b8 ratex_script --steps 3 --warmup 1 \
           --device gpu 2>&1 | tail -n 15
     done >'"$out/probe.log"' 2>&1
-    python3 scripts/zoo.py --models gpt2,t5,bert --modes lazy,script --workers 2 >'"$out/zoo.log"' 2>&1') &
+    for m in "stack --mode script" "gpt2l-b8 --mode script" "lstm-b8 --mode lazy"; do
+      echo "== kernel_check $m"; RATEX_CACHE_DIR= timeout 90 python3 scripts/kernel_check.py $m 2>&1 | tail -n 6
+    done >>'"$out/probe.log"' 2>&1
+    python3 scripts/zoo.py --models gpt2,t5,bert,gptj --modes lazy,script --workers 2 >'"$out/zoo.log"' 2>&1') &
 wait
 echo "done in $(($(date +%s) - start)) s"
 echo "suite: $(grep -c ' PASSED ' "$out/suite.log") passed, $(grep -cE ' (FAILED|ERROR) ' "$out/suite.log") failed," \
