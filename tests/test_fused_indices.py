@@ -43,29 +43,48 @@ def test_tvms_iter_map_gets_an_offset_split_wrong():
     assert [_value(kept, x, v) for v in range(12)] == [(v % 6 + 1) // 2 for v in range(12)]
 
 
-_KERNEL = '''
-    for f0 in T.thread_binding(T.int64(1), thread="blockIdx.x"):
-        for f1 in T.thread_binding(T.int64(1024), thread="threadIdx.x"):
-            with T.sblock("T_add"):
-                v0 = T.axis.spatial(T.int64(2), (f0 * T.int64(1024) + f1) // T.int64(6))
-                v1 = T.axis.spatial(T.int64(6), (f0 * T.int64(1024) + f1) % T.int64(6))
-                T.writes(out[v0, v1])
-                out[v0, v1] = {read}
-'''
+_KERNEL = """
+@T.prim_func(private=True, s_tir=True)
+def main(g: T.Buffer((T.int64(2), T.int64(3)), "float32"), out: T.Buffer((T.int64(2), T.int64(6)), "float32")):
+    for b in T.thread_binding(T.int64(2), thread="blockIdx.x"):
+        for o in range(T.int64(2)):
+            for t in T.thread_binding(T.int64(3), thread="threadIdx.x"):
+                with T.sblock("out"):
+                    v0 = T.axis.spatial(T.int64(2), b)
+                    v1 = T.axis.spatial(T.int64(6), {v1})
+                    T.reads(g[v0, T.int64(0):T.int64(3)])
+                    T.writes(out[v0, v1])
+                    out[v0, v1] = T.if_then_else(T.int64(1) <= v1, g[v0, {read}], T.float32(0.0))
+"""
+
+# (v1's binding, each o * 3 + t: in the second and third, % binds tighter than the sum around it,
+# which the rewrite must keep; g's index at v1; whether the kernel is at risk)
+_CASES = [
+    ("(b * T.int64(6) + o * T.int64(3) + t) % T.int64(6)", "(v1 - T.int64(1)) // T.int64(2)", True),
+    ("o * T.int64(3) + (b * T.int64(3) + t) % T.int64(3)", "(v1 - T.int64(1)) // T.int64(2)", True),
+    ("o * T.int64(3) + (b * T.int64(3) + t) % T.int64(3)", "(T.int64(5) + v1) // T.int64(2) - T.int64(3)", True),
+    ("(b * T.int64(6) + o * T.int64(3) + t) % T.int64(6)", "v1 // T.int64(2)", False),  # no constant in the sum
+]
 
 
-@pytest.mark.parametrize("read, risky", [
-    ("g[v0, (v1 - T.int64(1)) // T.int64(2)]", True),
-    ("g[v0, (T.int64(5) + v1) // T.int64(2) - T.int64(3)]", True),
-    ("g[v0, v1 // T.int64(2)]", False),  # no constant in the divided sum: the iter map gets it right
-    ("g[v0, (v0 + T.int64(1)) // T.int64(2)]", False),  # v0 is bound without %
-])
-def test_kernels_at_risk_are_those_dividing_an_offset_split(read, risky):
-    text = _KERNEL.format(read=read)
+@pytest.mark.parametrize("v1, read, risky", _CASES)
+def test_guarded_bindings_keep_their_values(v1, read, risky):
+    import numpy as np  # noqa: PLC0415
+
+    text = _KERNEL.format(v1=v1, read=read)
     assert fused_indices.at_risk(text) is risky
-    fixed = fused_indices.guarded(text)
-    assert "% T.int64(6))" not in fixed
-    assert "v1 = T.axis.spatial(T.int64(6), ((f0 * T.int64(1024) + f1)) - ((f0 * T.int64(1024) + f1)) // T.int64(6) * T.int64(6))" in fixed
+    g = np.arange(6, dtype="float32").reshape(2, 3) + 1
+    want = np.zeros((2, 6), "float32")
+    for i in range(2):
+        for j in range(6):
+            k = (j - 1) // 2 if "v1 - " in read or "+ v1" in read else j // 2
+            want[i, j] = g[i, k] if j >= 1 else 0
+    for source in (fused_indices.guarded(text), text):
+        kernel = kernel_check.serial(tvm.script.from_source(source))
+        run = tvm.compile(tvm.IRModule({"main": kernel.with_attr("global_symbol", "main")}), target="llvm")["main"]
+        out = tvm.runtime.tensor(np.zeros((2, 6), "float32"))
+        run(tvm.runtime.tensor(g), out)
+        np.testing.assert_array_equal(out.numpy(), want)
 
 
 class _Stack(torch.nn.Module):

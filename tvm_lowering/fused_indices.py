@@ -9,54 +9,91 @@ when a schedule fuses a kernel's loops into one (every GPU schedule does: a bloc
 slice (`h[:, 1::2]`), of a padded pool. On an H100 the scripted `torch.stack` of GPT-J's
 rotate_every_two then read its input gradient one row off (scripts/kernel_check.py found the kernel).
 
-`guard_fused_indices` rewrites, after scheduling, each block binding `e % K` of a kernel that
-reads or writes at such an index as `e - e // K * K`, which is the same number: TVM's simplifier
-folds it into the indices before FlattenBuffer, where it leaves no `x % K + c` for the iter map
-to get wrong (it gives `(x + c) // d - x // K * (K // d)` instead). TVM exposes no TIR mutator
-to Python, so the kernel goes through its TVMScript text and back.
+`guard_fused_indices` rewrites, after scheduling, each `e % K` in the block bindings of a kernel
+that divides such a sum as `e - e // K * K`, the same number: TVM's simplifier folds it into the
+indices before FlattenBuffer, where it leaves no `x % K + c` for the iter map to get wrong (it
+gives `(x + c) // d - x // K * (K // d)` instead). TVM exposes no TIR mutator to Python, so the
+kernel goes through its TVMScript, which is Python syntax: Python's `ast` finds the bindings and
+rewrites their `%` nodes, and TVM parses the result back.
 """
-import re
+import ast
 
 import tvm
 from tvm import tirx
 
-# A block binding whose value is `e % K`: "    v1 = T.axis.spatial(T.int64(6), (a + b) % T.int64(6))"
-_BINDING = re.compile(r"^(?P<head>\s*(?P<var>\w+) = T\.axis\.\w+\((?:T\.int\d+\(\d+\)|\d+), )"
-                      r"(?P<expr>.+) % (?P<k>T\.int\d+\(\d+\)|\d+)\)$", re.M)
-_SUM = re.compile(r" [+-] ")
-_CONSTANT = re.compile(r"T\.int\d+\(\d+\)|\b\d+\b")
+_AXES = {"spatial", "reduce", "scan", "opaque"}  # T.axis.<kind>(domain, value)
 
 
-def _divided_groups(text: str):
-    """The parenthesized expressions of `text` that are divided (`(...) // d`)."""
-    at = text.find(") // ")
-    while at >= 0:
-        depth, k = 0, at
-        while k >= 0:
-            depth += {")": 1, "(": -1}.get(text[k], 0)
-            if depth == 0:
-                yield text[k + 1:at]
-                break
-            k -= 1
-        at = text.find(") // ", at + 1)
+def _binding(node) -> bool:
+    """Whether `node` is a call `T.axis.<kind>(domain, value)`."""
+    f = node.func if isinstance(node, ast.Call) else None
+    return (isinstance(f, ast.Attribute) and f.attr in _AXES and isinstance(f.value, ast.Attribute)
+            and f.value.attr == "axis" and len(node.args) == 2)
+
+
+def _names(node) -> set:
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+
+
+def _constant(node) -> bool:
+    """Whether `node` is an integer literal or `T.int64(<literal>)`."""
+    if isinstance(node, ast.Constant):
+        return isinstance(node.value, int)
+    return isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr.startswith("int") \
+        and len(node.args) == 1 and isinstance(node.args[0], ast.Constant)
+
+
+def _offset_sum(node) -> bool:
+    """Whether `node` is a sum (+, -) with an integer constant among its terms."""
+    if not (isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub))):
+        return False
+    return any(_constant(side) or _offset_sum(side) for side in (node.left, node.right))
+
+
+def _bound_by_mod(tree) -> tuple:
+    """(names of block vars bound to an expression with `%`, those bindings' value nodes)."""
+    names, values = set(), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and _binding(node.value):
+            value = node.value.args[1]
+            if any(isinstance(n, ast.BinOp) and isinstance(n.op, ast.Mod) for n in ast.walk(value)):
+                names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+                values.append(node.value)
+    return names, values
 
 
 def at_risk(text: str) -> bool:
-    """Whether a kernel's TVMScript `text` binds a block var to `e % K` and divides a sum of that
-    var and a constant: the index the iter map may get wrong."""
-    bound = {m.group("var") for m in _BINDING.finditer(text)}
+    """Whether a kernel's TVMScript `text` binds a block var with `%` and divides (`//`) a sum of
+    that var and a constant: the index the iter map may get wrong."""
+    if " % " not in text:
+        return False
+    tree = ast.parse(text)
+    bound, _ = _bound_by_mod(tree)
     if not bound:
         return False
-    body = "\n".join(line for line in text.splitlines() if "T.axis." not in line)
-    for group in _divided_groups(body):
-        if _SUM.search(group) and _CONSTANT.search(group) and any(re.search(rf"\b{re.escape(v)}\b", group) for v in bound):
+    for node in ast.walk(tree):
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.FloorDiv) and _offset_sum(node.left) \
+                and _names(node.left) & bound:
             return True
     return False
 
 
+class _ModToSub(ast.NodeTransformer):
+    def visit_BinOp(self, node):
+        node = self.generic_visit(node)
+        if isinstance(node.op, ast.Mod):  # e % k -> e - e // k * k (floormod of a positive k)
+            floor = ast.BinOp(ast.BinOp(node.left, ast.FloorDiv(), node.right), ast.Mult(), node.right)
+            return ast.BinOp(node.left, ast.Sub(), floor)
+        return node
+
+
 def guarded(text: str) -> str:
-    """`text` with every block binding `e % K` written `(e) - (e) // K * K`."""
-    return _BINDING.sub(lambda m: f"{m['head']}({m['expr']}) - ({m['expr']}) // {m['k']} * {m['k']})", text)
+    """`text` with every `e % K` in its block bindings written `e - e // K * K`."""
+    tree = ast.parse(text)
+    _, values = _bound_by_mod(tree)
+    for call in values:
+        call.args[1] = _ModToSub().visit(call.args[1])
+    return ast.unparse(ast.fix_missing_locations(tree))
 
 
 @tvm.transform.module_pass(opt_level=0, name="RatexGuardFusedIndices")
