@@ -244,8 +244,9 @@ def _random_args(func, rng) -> list:
 
 
 def check_gpu_schedules(mod, target_name="GPU", arch="sm_90", seed=0) -> tuple:
-    """Check each kernel of Relax module `mod` as the GPU pipeline schedules it, made serial and run
-    on the CPU, against the same kernel unscheduled, on random arguments; return (kernels checked,
+    """Check each kernel of Relax module `mod` as the GPU pipeline schedules it (the kernel library
+    off, so products and convolutions are TVM's kernels too), made serial and run on the CPU,
+    against the same kernel unscheduled, on random arguments; return (kernels checked,
     [(kernel, argument, largest difference)] that differ, kernels skipped). Catches what the
     schedule and TVM's lowering passes get wrong on any machine; not what only a GPU shows (NVRTC,
     the hardware)."""
