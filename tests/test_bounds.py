@@ -348,8 +348,9 @@ def test_torch_compile_raises_index_error_at_the_call():
 @pytest.mark.gpu
 def test_torch_compile_on_cuda_raises_index_error_at_a_later_call():
     """On CUDA tensors the check is read once its copy lands, as eager CUDA's device-side assert
-    surfaces later: the call that met the bad index returns; the next program call or
-    lm.wait_device_ops() raises, naming the op. CUDA_LAUNCH_BLOCKING=1 raises at the call."""
+    surfaces later: a later program call (of the same graph where it has several regions, or of
+    the next call) or lm.wait_device_ops() raises, naming the op. CUDA_LAUNCH_BLOCKING=1 raises at
+    the program call that met it."""
     x, w, b = (t.cuda() for t in _state())
 
     def fn(x, w, b, idx):
@@ -361,13 +362,14 @@ def test_torch_compile_on_cuda_raises_index_error_at_a_later_call():
     good, bad = indices(device="cuda"), indices("embedding", 6, device="cuda")
     want = fn(x.cpu(), w.cpu(), b.cpu(), tuple(indices().values()))
     torch.testing.assert_close(tuple(o.cpu() for o in compiled(x, w, b, tuple(good.values()))), want)
-    compiled(x, w, b, tuple(bad.values()))  # returns: the check is not read yet
-    match = "index 6 is out of bounds .* in aten.embedding.default.*found after that call returned"
-    with pytest.raises(IndexError, match=match):
+    match = "index 6 is out of bounds .* in aten.embedding.default.*found after the program that met it returned"
+    with pytest.raises(IndexError, match=match):  # at a later program call: of this graph (other regions) or the next
+        compiled(x, w, b, tuple(bad.values()))
         compiled(x, w, b, tuple(good.values()))
         lm.wait_device_ops()
-    compiled(x, w, b, tuple(bad.values()))
+    lm.wait_device_ops()  # nothing left unread
     with pytest.raises(IndexError, match=match):
+        compiled(x, w, b, tuple(bad.values()))
         lm.wait_device_ops()
     os.environ["CUDA_LAUNCH_BLOCKING"] = "1"
     try:

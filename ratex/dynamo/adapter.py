@@ -137,8 +137,8 @@ def check_indices(rows: torch.Tensor, nodes: list, late: bool = False):
 
     text = bounds.message(rows.cpu().numpy(), describe)
     if text is not None:
-        note = (" (found after that call returned: CUDA programs run asynchronously, as eager's CUDA kernels do; "
-                "CUDA_LAUNCH_BLOCKING=1 raises at the call itself)") if late else ""
+        note = (" (found after the program that met it returned: CUDA programs run asynchronously, as eager's CUDA "
+                "kernels do; CUDA_LAUNCH_BLOCKING=1 raises at its call)") if late else ""
         raise launch.IndexOutOfRange(text, f"ratex: {text}{note}")
 
 
