@@ -256,29 +256,29 @@ def check_gpu_schedules(mod, target_name="GPU", arch="sm_90", seed=0) -> tuple:
     options = tvm_lowering.Options()
     plain = pipeline.legalized(mod, target, options)
     scheduled = pipeline.legalized(mod, target, options, scheduled=True)
+    names = {g.name_hint for g in plain.get_global_vars()}
     rng = np.random.default_rng(seed)
-    checked, bad, skipped = 0, [], []
+    cases, skipped = {}, []  # name -> (unscheduled, serial, arguments)
     for gv, func in scheduled.functions.items():
         if not isinstance(func, tvm.tirx.PrimFunc):
             continue
         name = gv.name_hint
-        ser = serial(func)
-        if name not in [g.name_hint for g in plain.get_global_vars()]:
-            skipped.append(name)
-            continue
-        args = _random_args(plain[name], rng)
+        args = _random_args(plain[name], rng) if name in names else None
         if args is None:
             skipped.append(name)
             continue
+        cases[name] = (plain[name], serial(func), args)
+    runs = [_build_all({n: c[0] for n, c in cases.items()}), _build_all({n: c[1] for n, c in cases.items()})]
+    checked, bad = 0, []
+    for name, (_, _, args) in cases.items():
         outs = []
-        for f in (plain[name], ser):
-            try:
-                built = tvm.compile(tvm.IRModule({name: f.with_attr("global_symbol", name)}), target="llvm")[name]
-            except Exception as err:  # noqa: BLE001 - TVM's errors: the kernel is listed as skipped
-                outs = f"{name} ({str(err).strip().splitlines()[-1][:80]})"
+        for built in runs:
+            fn = built.get(name)
+            if isinstance(fn, str):
+                outs = f"{name} ({fn})"
                 break
             tensors = [tvm.runtime.tensor(a.copy()) for a in args]
-            built(*tensors)
+            fn(*tensors)
             outs.append([t.numpy() for t in tensors])
         if isinstance(outs, str):
             skipped.append(outs)
@@ -289,6 +289,25 @@ def check_gpu_schedules(mod, target_name="GPU", arch="sm_90", seed=0) -> tuple:
             if not same:
                 bad.append((name, k, diff))
     return checked, bad, skipped
+
+
+def _build_all(funcs: dict) -> dict:
+    """name -> the CPU function of each kernel of `funcs`, built as one module (one LLVM build is
+    much faster than one a kernel); where that fails, each alone, and the error's last line for
+    a kernel that does not build."""
+    mod = tvm.IRModule({name: f.with_attr("global_symbol", name) for name, f in funcs.items()})
+    try:
+        lib = tvm.compile(mod, target="llvm")
+        return {name: lib[name] for name in funcs}
+    except Exception:  # noqa: BLE001 - some kernel does not build: find it by building each alone
+        pass
+    out = {}
+    for name, f in funcs.items():
+        try:
+            out[name] = tvm.compile(tvm.IRModule({name: f.with_attr("global_symbol", name)}), target="llvm")[name]
+        except Exception as err:  # noqa: BLE001 - TVM's errors: the kernel is listed as skipped
+            out[name] = str(err).strip().splitlines()[-1][:80]
+    return out
 
 
 def main():
