@@ -94,7 +94,7 @@ class _Stack(torch.nn.Module):
         return torch.stack((-h[:, 1::2], h[:, ::2], h[:, :3] * h[:, 3:]), dim=-1).flatten(-2)
 
 
-@pytest.mark.parametrize("model, mode", [("stack", "script"), ("stack", "lazy"), ("lenet-b1", "lazy")])
+@pytest.mark.parametrize("model, mode", [("stack", "script"), ("stack", "lazy"), ("lenet-b1", "lazy"), ("gpt2l-b8", "script")])
 def test_gpu_scheduled_kernels_compute_what_their_rules_write(model, mode, monkeypatch):
     from ratex import config  # noqa: PLC0415
 
