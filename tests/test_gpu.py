@@ -5,6 +5,7 @@ on a GPU needs one: those tests (marked `gpu`) skip where TVM sees none."""
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -234,6 +235,20 @@ def test_bfloat16_infinities_and_nan_compile_for_cuda(build_for_cuda):
     assert "inff" not in text and "nanf" not in text and "__int_as_float(0x7f800000)" in text
     assert fix_bfloat16_constants("__float2bfloat16_rn(-inff/*-inf*/) + __float2bfloat16_rn(0x1p+0f/*1.0e+00*/)") == \
         "__float2bfloat16_rn(-__int_as_float(0x7f800000)) + __float2bfloat16_rn(0x1p+0f/*1.0e+00*/)"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_isfinite_keeps_its_nan_test_in_cuda_source(dev, dtype, build_for_cuda):
+    """isfinite reaches the lazy device as its decomposition, (x == x) * (x.abs() != inf). TVM
+    folded the bfloat16 x == x to true in the CUDA build, so isfinite of a NaN was true on an H100;
+    ratex lowers a comparison of a value with itself as isnan, whose test the source keeps."""
+    x = torch.tensor([1.0, float("nan"), float("inf"), -2.0], dtype=dtype)
+    finite = torch.isfinite(x.to(dev))  # noqa: F841  (pending until the step is lowered)
+    mod, _ = _pending_step_for_cuda()
+    text = "\n".join(_cuda_sources(build_for_cuda(mod).mod))
+    body = text[text.index('extern "C" __global__'):]
+    read = r"(?:\(\(float\))?in0_ptr\[[^\]]*\]\)?"
+    assert re.search(rf"isnan|({read}) != \1", body), body
 
 
 @pytest.mark.skipif(shutil.which("cuobjdump") is None, reason="needs CUDA's cuobjdump")

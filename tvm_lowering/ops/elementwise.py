@@ -68,6 +68,13 @@ def _binary(imp, node):
     elif compute in _HALF and name not in _COMPARE:
         compute = "float32"  # as PyTorch's kernels: operands (a float32 scalar too) at float32, one rounding
     bb = imp.block_builder
+    if name in ("eq.Tensor", "ne.Tensor") and node.args[0] is node.args[1] and compute.startswith(("float", "bfloat")):
+        # x == x (x != x) is a NaN test: isfinite's decomposition, `(x == x) * (x.abs() != inf)`. TVM's
+        # simplifier folds a comparison of a value with itself to a constant, which on the GPU left
+        # isfinite of a NaN true; its isnan keeps the test (and takes no bfloat16).
+        x = imp.env[node.args[0]]
+        nan = bb.emit(relax.op.isnan(cast(imp, x, "float32") if compute in _HALF else x))
+        return nan if name == "ne.Tensor" else bb.emit(relax.op.logical_not(nan))
     if name == "div.Tensor" and not hasattr(node.args[1], "meta") and node.args[1] == 0 \
             and compute.startswith("float"):
         # TVM's constant folder rejects a division by the constant 0; x * (+-inf) is the same
