@@ -63,7 +63,8 @@ class Stack(nn.Module):
 
 
 def run_step(name, mode, dim):
-    """Run one step of model `name` on the lazy device; return [(program, inputs)] of the programs it ran."""
+    """Run one step of model `name` on the lazy device; return [(program, inputs, outputs on the host)]
+    of the programs it ran."""
     seen = []
     run = executor.Program.run
 

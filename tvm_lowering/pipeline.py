@@ -94,8 +94,8 @@ _SCHEDULING = ("ApplyDefaultSchedule", "RatexBindUnboundKernels")
 
 def legalized(mod: tvm.IRModule, target: Target, options: Options = Options(), scheduled: bool = False) -> tvm.IRModule:
     """`mod` through `build`'s passes up to and with its kernels' schedules (`scheduled`) or
-    without them: every kernel fused and named as `build` makes it, its loops as its rule wrote
-    them. A scheduled kernel that computes otherwise than its unscheduled self has a schedule or
+    without them (nor tuning records): every kernel fused and named as `build` makes it, its loops
+    as its rule wrote them. A scheduled kernel that computes otherwise than its unscheduled self has a schedule or
     code generation bug (scripts/kernel_check.py compares the two, kernel by kernel)."""
     passes = []
     for p in _passes(target, options):
