@@ -244,17 +244,18 @@ def _random_args(func, rng) -> list:
     return args if len(args) == len(func.params) else None
 
 
-def check_gpu_schedules(mod, target_name="GPU", arch="sm_90", seed=0) -> tuple:
+def check_gpu_schedules(mod, target_name="GPU", arch="sm_90", seed=0, options=None) -> tuple:
     """Check each kernel of Relax module `mod` as the GPU pipeline schedules it (the kernel library
     off, so products and convolutions are TVM's kernels too), made serial and run on the CPU,
     against the same kernel unscheduled, on random arguments; return (kernels checked,
     [(kernel, argument, largest difference)] that differ, kernels skipped). Catches what the
     schedule and TVM's lowering passes get wrong on any machine; not what only a GPU shows (NVRTC,
-    the hardware)."""
+    the hardware). `options`: other compile options (the target's defaults send products to the
+    kernel library)."""
     import tvm_lowering  # noqa: PLC0415
 
     target = tvm_lowering.resolve_target(target_name, arch)
-    options = tvm_lowering.Options()
+    options = options if options is not None else tvm_lowering.Options()
     plain = pipeline.legalized(mod, target, options)
     scheduled = pipeline.legalized(mod, target, options, scheduled=True)
     names = {g.name_hint for g in plain.get_global_vars()}

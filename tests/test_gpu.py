@@ -184,6 +184,42 @@ def test_lstm_training_step_builds_for_cuda(dev, build_for_cuda):
     build_for_cuda(mod)
 
 
+class _PooledHead(torch.nn.Module):
+    """A convolution and adaptive average pools: a ResNet's or ConvNeXt's head, 2-d and 1-d."""
+
+    def __init__(self, size):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3)
+        self.size = size
+
+    def forward(self, x):
+        h = F.relu(self.conv(x))
+        return F.adaptive_avg_pool2d(h, self.size).flatten(-3) * 2 + F.adaptive_avg_pool1d(h.flatten(-2), 3).sum()
+
+
+@pytest.mark.parametrize("size", [(1, 1), (3, 2), (5, 7)])
+def test_scripted_adaptive_avg_pools_build_for_cuda_and_compute_like_their_rules(dev, size, build_for_cuda):
+    """TVM's adaptive pool kernel nests a block per window in a block per output, which no GPU
+    schedule takes: a scripted adaptive pool failed its CUDA build and ran on PyTorch. The GPU
+    pipeline legalizes it as an elementwise kernel (pool_grad.ADAPTIVE), whose GPU schedule, run
+    serially on the CPU, computes what the rule writes (scripts/kernel_check.py --gpu-on-cpu)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+    import kernel_check  # noqa: PLC0415
+
+    model = ratex.jit.script(_PooledHead(size)).to(dev)
+    out = model(torch.randn(2, 3, 9, 7).to(dev))  # kept: the step computes the pools, not only their gradients
+    out.sum().backward()
+    mod, kernels = _pending_step_for_cuda()
+    assert sum("adaptive_avg_pool" in name for name in kernels) == 2, sorted(kernels)
+    build_for_cuda(mod)
+    # With the GPU's default options (products in the kernel library): with TVM's own products,
+    # the pool's gradient, a product over one element fused with relu's, is wrong (see
+    # docs/benchmarks.md: dlight inlines the epilogue into both the reduction's init and update)
+    gpu = tvm_lowering.resolve_target("GPU", "sm_90").options("auto", True, True)
+    checked, bad, skipped = kernel_check.check_gpu_schedules(mod, options=gpu)
+    assert checked >= 5 and bad == [] and skipped == [], (bad, skipped)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_half_precision_powers_and_floor_division_build_for_cuda(dev, dtype, build_for_cuda):
     """Kernels written as lambdas were named `<lambda>`, which CUDA source cannot name: NVRTC

@@ -16,6 +16,9 @@ the window row by row and takes an element when `val > maxval || isnan(val)`):
 the first of equal maxima, the last NaN if the window has one, the first element
 when all are -inf. Other pools keep the library kernel or TVM's legalization.
 """
+import itertools
+import math
+
 from tvm import te, tirx
 
 from .schedules import MATERIALIZE
@@ -92,3 +95,55 @@ def _gather(dy, x, kh, kw):
 
 
 LEGALIZE = {"relax.grad.max_pool2d_backward": _max_pool2d_backward}
+
+
+# An adaptive average pool's window sums are written out as one expression per output while the
+# largest window has at most this many elements (a classifier head's 7x7 plane to 1x1 has 49)
+_MAX_UNROLLED_WINDOW = 64
+
+
+def _adaptive_avg_pool(bb, call):
+    """relax.nn.adaptive_avg_pool1d/2d in the layout PyTorch uses, with static shapes and small
+    windows, as an elementwise kernel (`_window_means`). TVM's own kernel nests a block per
+    window inside a block per output, which no GPU schedule takes, and as a reduction over the
+    widest window with the rest masked dlight's schedule fails the CUDA build ("cannot insert
+    syncs inside condition"): a scripted adaptive pool (Swin's, a ResNet head's) ran on PyTorch."""
+    a, x = call.attrs, call.args[0]
+    nd = len(x.ty.shape) - 2
+    layout = {1: "NCW", 2: "NCHW"}.get(nd)
+    shapes = [list(getattr(t.shape, "values", ()) or ()) for t in (x.ty, call.ty)]
+    if str(a.layout) != layout or str(a.out_layout) != layout or len(shapes[1]) != nd + 2 \
+            or not all(isinstance(s, tirx.IntImm) for s in shapes[0] + shapes[1]):
+        return call.op.get_attr("FLegalize")(bb, call)
+    sizes, out_sizes = [int(s) for s in shapes[0][2:]], [int(s) for s in shapes[1][2:]]
+    widest = [max(-(-(o + 1) * n // m) - o * n // m for o in range(m)) for n, m in zip(sizes, out_sizes)]
+    if math.prod(widest) > _MAX_UNROLLED_WINDOW:
+        return call.op.get_attr("FLegalize")(bb, call)
+    return bb.call_te(lambda t: _window_means(t, sizes, out_sizes, widest), x,
+                      primfunc_name_hint=f"adaptive_avg_pool{nd}d")
+
+
+def _window_means(x, sizes, out_sizes, widest):
+    """Each output the mean of its window, PyTorch's [floor(o * n / m), ceil((o + 1) * n / m)),
+    summed as one expression over the widest window's positions, those past the window's end
+    masked (their reads clamped into the plane)."""
+    dt = str(x.dtype)
+
+    def mean(*idx):
+        lead, outs = idx[:2], idx[2:]
+        starts = [tirx.floordiv(o * n, m) for o, n, m in zip(outs, sizes, out_sizes)]
+        ends = [tirx.floordiv((o + 1) * n + m - 1, m) for o, n, m in zip(outs, sizes, out_sizes)]
+        total = tirx.const(0, dt)
+        for offsets in itertools.product(*[range(w) for w in widest]):
+            pos = [s + k for s, k in zip(starts, offsets)]
+            inside = tirx.all(*[p < e for p, e in zip(pos, ends)])
+            read = x[(*lead, *[tirx.min(p, n - 1) for p, n in zip(pos, sizes)])]
+            total = total + tirx.Select(inside, read, tirx.const(0, dt))
+        count = math.prod([e - s for s, e in zip(starts, ends)])
+        return total / count.astype(dt)
+
+    return te.compute((*x.shape[:2], *out_sizes), mean, name="adaptive_avg_pool")
+
+
+# GPU only: on the CPU TVM's adaptive pool builds and runs.
+ADAPTIVE = {"relax.nn.adaptive_avg_pool1d": _adaptive_avg_pool, "relax.nn.adaptive_avg_pool2d": _adaptive_avg_pool}

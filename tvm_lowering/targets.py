@@ -147,8 +147,9 @@ def _cuda(arch: Optional[str]) -> Target:
         runtime_device=tvm.cuda,
         pipeline="tvm_lowering.cuda_pipeline",  # TVM's, its default schedules tolerant of a failing rule
         # relu that keeps NaN; max-pool gradients as a gather: TVM's own rule is a scatter that
-        # the CUDA pipeline's default schedules reject.
-        legalize={**fastmath.EXACT, **pool_grad.LEGALIZE},
+        # the CUDA pipeline's default schedules reject; adaptive average pools of small windows
+        # as an elementwise kernel: TVM's nests blocks that no GPU schedule takes.
+        legalize={**fastmath.EXACT, **pool_grad.LEGALIZE, **pool_grad.ADAPTIVE},
         # Under kernels=auto every product goes to the library: TVM's default CUDA schedule for a
         # convolution is a plain loop nest per thread (LeNet-5 b64's step runs far slower than
         # eager CUDA's), and no size is known below which TVM's is faster.
