@@ -10,7 +10,6 @@ import os
 import sys
 
 import pytest
-import torch
 import tvm
 from tvm import tirx
 from tvm.sym.iter_affine_map import iter_map_simplify
@@ -85,13 +84,6 @@ def test_guarded_bindings_keep_their_values(v1, read, risky):
         out = tvm.runtime.tensor(np.zeros((2, 6), "float32"))
         run(tvm.runtime.tensor(g), out)
         np.testing.assert_array_equal(out.numpy(), want)
-
-
-class _Stack(torch.nn.Module):
-    """GPT-J's rotate_every_two: strided slices whose gradient reads at (v1 - 1) // 2."""
-
-    def forward(self, h):
-        return torch.stack((-h[:, 1::2], h[:, ::2], h[:, :3] * h[:, 3:]), dim=-1).flatten(-2)
 
 
 @pytest.mark.parametrize("model, mode", [("stack", "script"), ("stack", "lazy"), ("lenet-b1", "lazy"), ("gpt2l-b8", "script")])

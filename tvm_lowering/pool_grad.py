@@ -14,7 +14,8 @@ window, and its gradient is computed where it is:
 The winner is PyTorch's exactly (aten/src/ATen/native/cpu/MaxPoolKernel.cpp scans
 the window row by row and takes an element when `val > maxval || isnan(val)`):
 the first of equal maxima, the last NaN if the window has one, the first element
-when all are -inf. Other pools keep the library kernel or TVM's legalization.
+when all are -inf. Other pools keep the library kernel or TVM's legalization, but for
+adaptive average pools on the GPU (`ADAPTIVE`, below).
 """
 import itertools
 import math
@@ -22,6 +23,7 @@ import math
 from tvm import te, tirx
 
 from .schedules import MATERIALIZE
+from .simplify import static_shape
 
 
 # The winner is a chain of selects written out per window element, and each step reads the
@@ -108,33 +110,33 @@ def _adaptive_avg_pool(bb, call):
     window inside a block per output, which no GPU schedule takes, and as a reduction over the
     widest window with the rest masked dlight's schedule fails the CUDA build ("cannot insert
     syncs inside condition"): a scripted adaptive pool (Swin's, a ResNet head's) ran on PyTorch."""
+    from .ops.pooling import _adaptive_windows  # noqa: PLC0415  (ops imports the targets that import this)
+
     a, x = call.attrs, call.args[0]
-    nd = len(x.ty.shape) - 2
+    in_shape, out_shape = static_shape(x.ty), static_shape(call.ty)
+    nd = len(in_shape) - 2 if in_shape else 0
     layout = {1: "NCW", 2: "NCHW"}.get(nd)
-    shapes = [list(getattr(t.shape, "values", ()) or ()) for t in (x.ty, call.ty)]
-    if str(a.layout) != layout or str(a.out_layout) != layout or len(shapes[1]) != nd + 2 \
-            or not all(isinstance(s, tirx.IntImm) for s in shapes[0] + shapes[1]):
+    if layout is None or out_shape is None or str(a.layout) != layout or str(a.out_layout) != layout:
         return call.op.get_attr("FLegalize")(bb, call)
-    sizes, out_sizes = [int(s) for s in shapes[0][2:]], [int(s) for s in shapes[1][2:]]
-    widest = [max(-(-(o + 1) * n // m) - o * n // m for o in range(m)) for n, m in zip(sizes, out_sizes)]
-    if math.prod(widest) > _MAX_UNROLLED_WINDOW:
+    wins = _adaptive_windows(in_shape[2:], out_shape[2:])
+    if math.prod(widest for _, _, widest in wins) > _MAX_UNROLLED_WINDOW:
         return call.op.get_attr("FLegalize")(bb, call)
-    return bb.call_te(lambda t: _window_means(t, sizes, out_sizes, widest), x,
+    return bb.call_te(lambda t: _window_means(t, in_shape[2:], out_shape[2:], wins), x,
                       primfunc_name_hint=f"adaptive_avg_pool{nd}d")
 
 
-def _window_means(x, sizes, out_sizes, widest):
-    """Each output the mean of its window, PyTorch's [floor(o * n / m), ceil((o + 1) * n / m)),
-    summed as one expression over the widest window's positions, those past the window's end
-    masked (their reads clamped into the plane)."""
+def _window_means(x, sizes, out_sizes, wins):
+    """Each output the mean of its window (`wins`: ops/pooling.py's adaptive windows), summed as
+    one expression over the widest window's positions, those past the window's end masked
+    (their reads clamped into the plane)."""
     dt = str(x.dtype)
 
     def mean(*idx):
         lead, outs = idx[:2], idx[2:]
-        starts = [tirx.floordiv(o * n, m) for o, n, m in zip(outs, sizes, out_sizes)]
-        ends = [tirx.floordiv((o + 1) * n + m - 1, m) for o, n, m in zip(outs, sizes, out_sizes)]
+        starts = [start(o) for (start, _, _), o in zip(wins, outs)]
+        ends = [end(o) for (_, end, _), o in zip(wins, outs)]
         total = tirx.const(0, dt)
-        for offsets in itertools.product(*[range(w) for w in widest]):
+        for offsets in itertools.product(*[range(widest) for _, _, widest in wins]):
             pos = [s + k for s, k in zip(starts, offsets)]
             inside = tirx.all(*[p < e for p, e in zip(pos, ends)])
             read = x[(*lead, *[tirx.min(p, n - 1) for p, n in zip(pos, sizes)])]
